@@ -1,0 +1,43 @@
+# Everything installs into .venv/ in the repository root.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+BASE   := $(VENV)/.stamp-base
+CONVERT := $(VENV)/.stamp-convert
+# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
+PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
+
+.PHONY: test test-reference lint fixtures clean
+
+$(BASE): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+# torch first and pinned (any other request pulls CUDA builds of several GB), then the
+# exporters; optimum-intel without its deps (it requires torchvision, needed only by InternVL).
+$(CONVERT): $(BASE)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,convert]'
+	$(BIN)/pip install -q --no-deps optimum-intel==2.2.0
+	touch $@
+
+test: $(BASE)
+	$(PYTEST) -m "not reference"
+
+test-reference: $(CONVERT)
+	$(PYTEST) -m reference
+
+lint: $(BASE)
+	$(BIN)/ruff check qvld qvlctl tests tools
+	$(BIN)/mypy
+
+# Rebuild the committed tiny model and its transformers reference (deterministic).
+fixtures: $(CONVERT)
+	rm -rf tests/fixtures/models/tiny
+	$(BIN)/python tools/make_test_model.py tiny tests/fixtures/models/tiny --reference
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

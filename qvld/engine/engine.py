@@ -1,0 +1,180 @@
+"""The engine facade: build from config, then ``generate(request, on_token) -> result``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from qvld.config import Config
+from qvld.engine.generate import Prompt, mrope_positions, run_generation
+from qvld.engine.model_dir import ModelSpec, load_model_spec
+from qvld.engine.openvino import CompiledModels, Slot, SlotPool
+from qvld.engine.prompt import ChatTemplate, TextTokenizer, expand_image_pads
+from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
+from qvld.engine.types import GenerateRequest, GenerateResult, Timings, TokenCallback, Usage
+from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
+
+_ROLES = {"system", "user", "assistant"}
+
+
+def _never() -> bool:
+    return False
+
+
+class Engine:
+    def __init__(self, config: Config) -> None:
+        if config.model.path is None:
+            raise ModelInvalid("model.path is not set")
+        self.config = config
+        t0 = time.perf_counter()
+        self.spec: ModelSpec = load_model_spec(config.model.path)
+        self.tokenizer = TextTokenizer(config.model.path / "tokenizer.json")
+        self.template = ChatTemplate(self.spec.chat_template, self.spec.special_tokens)
+        self.models = CompiledModels(self.spec, config.model, config.engine)
+        self.pool = SlotPool(self.models, config.engine.infer_requests)
+        self.max_context = min(config.engine.max_context_tokens,
+                               self.spec.max_position_embeddings)
+        self.load_s = time.perf_counter() - t0
+
+    # -- requests -------------------------------------------------------------------
+
+    def sampling_params(self, request: GenerateRequest) -> SamplingParams:
+        gen = self.spec.generation
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        temperature = float(pick(request.temperature, gen.temperature if gen.do_sample else 0.0))
+        top_k = int(pick(request.top_k, gen.top_k if gen.do_sample else 0))
+        top_p = float(pick(request.top_p, gen.top_p if gen.do_sample else 1.0))
+        repetition = float(pick(request.repetition_penalty, gen.repetition_penalty))
+        if not 0.0 <= temperature <= 100.0:
+            raise BadRequest("temperature must be within [0, 100]")
+        if not 0.0 < top_p <= 1.0:
+            raise BadRequest("top_p must be within (0, 1]")
+        if top_k < 0:
+            raise BadRequest("top_k must be >= 0 (0 = off)")
+        if not 0.0 < repetition <= 10.0:
+            raise BadRequest("repetition_penalty must be within (0, 10]")
+        if not -2.0 <= request.presence_penalty <= 2.0:
+            raise BadRequest("presence_penalty must be within [-2, 2]")
+        return SamplingParams(temperature, top_k, top_p, repetition,
+                              float(request.presence_penalty), request.seed)
+
+    def _max_tokens(self, request: GenerateRequest) -> int:
+        limit = self.config.engine.max_new_tokens
+        value = self.config.engine.default_max_tokens if request.max_tokens is None \
+            else request.max_tokens
+        if not 1 <= value <= limit:
+            raise BadRequest(f"max_tokens must be within 1..{limit}")
+        return int(value)
+
+    def _check_messages(self, messages: Any) -> tuple[list[dict[str, Any]], list[bytes]]:
+        """Validate messages; return them as the template sees them, and the image bytes."""
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list")
+        shown: list[dict[str, Any]] = []
+        images: list[bytes] = []
+        for n, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in _ROLES:
+                raise BadRequest(f"messages[{n}] needs a role of {sorted(_ROLES)}")
+            content = message.get("content")
+            if isinstance(content, str):
+                shown.append({"role": message["role"], "content": content})
+                continue
+            if not isinstance(content, list):
+                raise BadRequest(f"messages[{n}].content must be a string or a list of parts")
+            parts: list[dict[str, Any]] = []
+            for m, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind == "image" and isinstance(part.get("image"), (bytes, bytearray)):
+                    parts.append({"type": "image"})
+                    images.append(bytes(part["image"]))
+                else:
+                    raise BadRequest(f"messages[{n}].content[{m}] must be "
+                                     "{type: text, text: str} or {type: image, image: bytes}")
+            shown.append({"role": message["role"], "content": parts})
+        if len(images) > self.config.engine.max_images:
+            raise BadRequest(f"at most {self.config.engine.max_images} images per request")
+        return shown, images
+
+    def build_prompt(self, request: GenerateRequest) -> tuple[Prompt, float]:
+        """Template, tokenise and encode images; returns the prompt and the image time."""
+        shown, images = self._check_messages(request.messages)
+        text = self.template.render(shown, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text)
+        hidden = self.spec.hidden_size
+        k = self.spec.vision.deepstack_layers
+        if images:
+            raise BadRequest("images are not supported by this engine yet")
+        ids = expand_image_pads(ids, self.spec.image_token_id, [])
+        positions, delta = mrope_positions(ids, self.spec.image_token_id, [])
+        prompt = Prompt(
+            ids=ids,
+            positions=positions,
+            rope_delta=delta,
+            visual_mask=np.zeros(len(ids), dtype=bool),
+            visual_embeds=np.zeros((0, hidden), np.float32),
+            deepstack=np.zeros((k, 0, hidden), np.float32),
+            keys=[(t, None) for t in ids],
+        )
+        return prompt, 0.0
+
+    def generate(self, request: GenerateRequest,
+                 on_token: TokenCallback | None = None) -> GenerateResult:
+        t0 = time.perf_counter()
+        params = self.sampling_params(request)
+        max_tokens = self._max_tokens(request)
+        prompt, image_s = self.build_prompt(request)
+        if len(prompt.ids) + 1 > self.max_context:
+            raise PromptTooLong(f"the prompt has {len(prompt.ids)} tokens; the context holds "
+                                f"{self.max_context} including at least one generated token")
+        sampler = Sampler(params, prompt.ids, self.spec.vocab_size)
+        eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
+        with self.pool.acquire() as slot:
+            cached = self._reuse(slot, prompt)
+            outcome = run_generation(
+                slot, prompt, self.tokenizer, sampler,
+                max_tokens=max_tokens,
+                max_context=self.max_context,
+                eos_ids=eos,
+                stops=StopStrings(request.stop),
+                chunk=self.config.engine.prefill_chunk,
+                cached=cached,
+                on_token=on_token,
+                should_stop=request.should_stop or _never,
+            )
+        total = time.perf_counter() - t0
+        return GenerateResult(
+            text=outcome.text,
+            token_ids=outcome.token_ids,
+            finish_reason=outcome.finish_reason,
+            usage=Usage(
+                prompt_tokens=len(prompt.ids),
+                completion_tokens=len(outcome.token_ids),
+                image_tokens=int(prompt.visual_mask.sum()),
+                cached_tokens=outcome.cached_tokens,
+            ),
+            timings=Timings(
+                image_s=image_s,
+                prefill_s=outcome.prefill_s,
+                ttft_s=image_s + outcome.ttft_s,
+                decode_s=outcome.decode_s,
+                total_s=total,
+            ),
+        )
+
+    def _reuse(self, slot: Slot, prompt: Prompt) -> int:
+        """Rows of ``prompt`` already in the slot's KV cache (0: start afresh)."""
+        slot.reset()
+        return 0
+
+    def warmup(self) -> None:
+        """One short generation: the first inference after compile is several times slower."""
+        request = GenerateRequest(messages=[{"role": "user", "content": "Hello"}],
+                                  max_tokens=2, temperature=0.0)
+        self.generate(request)

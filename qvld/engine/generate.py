@@ -1,0 +1,170 @@
+"""Positions (mRoPE), chunked prefill, the decode loop, stop rules and streaming text."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qvld.engine.openvino import Slot
+from qvld.engine.prompt import IncrementalText, TextTokenizer
+from qvld.engine.sampling import Sampler, StopStrings
+from qvld.engine.types import FinishReason, TokenCallback
+
+
+def mrope_positions(ids: Sequence[int], image_token_id: int,
+                    grids: Sequence[tuple[int, int]]) -> tuple[np.ndarray, int]:
+    """3-axis positions [3,S] and rope_delta, as transformers' ``get_rope_index``.
+
+    Text runs sequentially on all axes. The i-th image's ``gh*gw`` placeholder rows (merged
+    grid) at base position b get t=b, h=b+row, w=b+col; the text after it resumes at
+    b+max(gh, gw). ``rope_delta = max + 1 - S`` shifts every later decode step.
+    """
+    n = len(ids)
+    pos = np.empty((3, n), dtype=np.int64)
+    ids_arr = np.asarray(ids)
+    i = img = 0
+    nxt = 0
+    while i < n:
+        if ids_arr[i] == image_token_id and img < len(grids):
+            gh, gw = grids[img]
+            count = gh * gw
+            pos[0, i:i + count] = nxt
+            pos[1, i:i + count] = nxt + np.repeat(np.arange(gh), gw)
+            pos[2, i:i + count] = nxt + np.tile(np.arange(gw), gh)
+            nxt += max(gh, gw)
+            i += count
+            img += 1
+            continue
+        # A run of text up to the next image placeholder.
+        end = n
+        if img < len(grids):
+            rest = np.flatnonzero(ids_arr[i:] == image_token_id)
+            end = i + int(rest[0]) if rest.size else n
+        pos[:, i:end] = nxt + np.arange(end - i)
+        nxt += end - i
+        i = end
+    delta = int(pos.max()) + 1 - n if n else 0
+    return pos, delta
+
+
+@dataclass
+class Prompt:
+    """A tokenised prompt with its image rows filled in."""
+
+    ids: list[int]
+    positions: np.ndarray  # [3,S]
+    rope_delta: int
+    visual_mask: np.ndarray  # [S] bool: rows taken from image embeddings
+    visual_embeds: np.ndarray  # [Nvis,H]
+    deepstack: np.ndarray  # [k,Nvis,H]
+    # The KV-cache key of each row: (token id, image hash for image rows).
+    keys: list[tuple[int, bytes | None]] = field(default_factory=list)
+
+
+@dataclass
+class Outcome:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prefill_s: float
+    ttft_s: float
+    decode_s: float
+    cached_tokens: int
+
+
+def prefill(slot: Slot, prompt: Prompt, start: int, chunk: int,
+            should_stop: Callable[[], bool]) -> np.ndarray | None:
+    """Feed prompt rows [start:] in chunks; the last chunk's logits, or None if stopped."""
+    vis_index = np.cumsum(prompt.visual_mask) - 1  # row -> index into visual_embeds
+    logits = None
+    for lo in range(start, len(prompt.ids), chunk):
+        if should_stop():
+            return None
+        hi = min(lo + chunk, len(prompt.ids))
+        embeds = slot.embed(np.asarray(prompt.ids[lo:hi]))
+        mask = prompt.visual_mask[lo:hi]
+        if mask.any():
+            rows = vis_index[lo:hi][mask]
+            embeds[mask] = prompt.visual_embeds[rows]
+            deepstack = np.ascontiguousarray(prompt.deepstack[:, rows])
+        else:
+            deepstack = slot.no_deepstack()
+        logits = slot.step(embeds, prompt.positions[:, lo:hi], mask, deepstack)
+        slot.history.extend(prompt.keys[lo:hi])
+    return logits
+
+
+def _never() -> bool:
+    return False
+
+
+def run_generation(
+    slot: Slot,
+    prompt: Prompt,
+    tokenizer: TextTokenizer,
+    sampler: Sampler,
+    *,
+    max_tokens: int,
+    max_context: int,
+    eos_ids: Sequence[int],
+    stops: StopStrings,
+    chunk: int,
+    cached: int = 0,
+    on_token: TokenCallback | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Outcome:
+    """Prefill ``prompt`` from row ``cached`` on, then decode until a stop rule fires."""
+    should_stop = should_stop or _never
+    t0 = time.perf_counter()
+    logits = prefill(slot, prompt, cached, chunk, should_stop)
+    if logits is None:
+        elapsed = time.perf_counter() - t0
+        return Outcome([], "", "cancelled", elapsed, 0.0, 0.0, cached)
+    t_prefill = time.perf_counter()
+    text = IncrementalText(tokenizer)
+    released = 0  # characters of text already passed to on_token
+    pending: list[int] = []  # ids not yet passed to on_token
+    finish: FinishReason | None = None
+    t_first = t_prefill
+    eos = set(eos_ids)
+    stop_at: int | None = None
+    while True:
+        token = sampler.choose(logits)
+        if not text.ids:
+            t_first = time.perf_counter()
+        text.add(token)
+        pending.append(token)
+        if token in eos or (stops.stops and (stop_at := stops.find(text.text)) is not None):
+            finish = "stop"
+        elif len(text.ids) >= max_tokens or len(prompt.ids) + len(text.ids) >= max_context:
+            finish = "length"
+        elif should_stop():
+            finish = "cancelled"
+        if finish is not None:
+            break
+        if on_token is not None:
+            stable = text.stable_text()
+            limit = len(stable) - stops.holdback(stable)
+            if limit > released:
+                on_token(stable[released:limit], pending)
+                released, pending = limit, []
+        position = np.full((3, 1), slot.past_len + prompt.rope_delta, dtype=np.int64)
+        embeds = slot.embed(np.asarray([token]))
+        logits = slot.step(embeds, position, np.zeros(1, dtype=bool), slot.no_deepstack())
+        slot.history.append((token, None))
+    final = text.text if stop_at is None else text.text[:stop_at]
+    if on_token is not None and (len(final) > released or pending):
+        on_token(final[released:], pending)
+    t_end = time.perf_counter()
+    return Outcome(
+        token_ids=text.ids,
+        text=final,
+        finish_reason=finish,
+        prefill_s=t_prefill - t0,
+        ttft_s=t_first - t0,
+        decode_s=t_end - t_first,
+        cached_tokens=cached,
+    )

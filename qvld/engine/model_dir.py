@@ -1,0 +1,176 @@
+"""Read an exported Qwen3-VL model directory: every dimension, id and limit comes from here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qvld.errors import ModelInvalid
+
+SUBMODELS = (
+    "language_model",
+    "text_embeddings_model",
+    "vision_embeddings_model",
+    "vision_embeddings_pos_model",
+    "vision_embeddings_merger_model",
+)
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Sampling defaults from generation_config.json (transformers' fallbacks otherwise)."""
+
+    eos_token_ids: tuple[int, ...]
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    hidden_size: int
+    num_heads: int
+    num_position_embeddings: int
+    deepstack_layers: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    min_pixels: int
+    max_pixels: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: Path
+    name: str
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    vision: VisionSpec
+    generation: GenerationDefaults
+    chat_template: str
+    special_tokens: dict[str, str]
+
+    def ir(self, submodel: str) -> Path:
+        return ir_path(self.path, submodel)
+
+
+def ir_path(path: Path, submodel: str) -> Path:
+    return path / f"openvino_{submodel}.xml"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelInvalid(f"{path.name} is missing from {path.parent}") from exc
+    except (OSError, ValueError) as exc:
+        raise ModelInvalid(f"{path} cannot be read: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelInvalid(f"{path} is not a JSON object")
+    return data
+
+
+def find_chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str:
+    """chat_template.jinja, then chat_template.json, then tokenizer_config.json."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    as_json = path / "chat_template.json"
+    if as_json.is_file():
+        template = _read_json(as_json).get("chat_template")
+        if isinstance(template, str):
+            return template
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):  # named templates: take "default"
+        for entry in template:
+            if isinstance(entry, dict) and entry.get("name") == "default":
+                return str(entry["template"])
+    raise ModelInvalid(f"no chat template in {path}")
+
+
+def _token_name(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _rgb(values: Any) -> tuple[float, float, float]:
+    r, g, b = (float(v) for v in values)
+    return (r, g, b)
+
+
+def load_model_spec(path: Path) -> ModelSpec:
+    if not path.is_dir():
+        raise ModelInvalid(f"model directory {path} does not exist")
+    missing = [p.name for p in (ir_path(path, s) for s in SUBMODELS) if not p.is_file()]
+    if missing:
+        raise ModelInvalid(f"model directory {path} lacks {', '.join(missing)}")
+    config = _read_json(path / "config.json")
+    if config.get("model_type") != "qwen3_vl":
+        raise ModelInvalid(f"{path}/config.json: model_type {config.get('model_type')!r}, "
+                           "expected 'qwen3_vl'")
+    gen = _read_json(path / "generation_config.json") if (
+        path / "generation_config.json").is_file() else {}
+    pre = _read_json(path / "preprocessor_config.json")
+    tok_config = _read_json(path / "tokenizer_config.json")
+    if not (path / "tokenizer.json").is_file():
+        raise ModelInvalid(f"tokenizer.json is missing from {path}")
+    try:
+        text, vis = config["text_config"], config["vision_config"]
+        eos = gen.get("eos_token_id", text.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        size = pre.get("size") or {}
+        vision = VisionSpec(
+            patch_size=int(vis["patch_size"]),
+            temporal_patch_size=int(vis["temporal_patch_size"]),
+            merge_size=int(vis["spatial_merge_size"]),
+            hidden_size=int(vis["hidden_size"]),
+            num_heads=int(vis["num_heads"]),
+            num_position_embeddings=int(vis["num_position_embeddings"]),
+            deepstack_layers=len(vis["deepstack_visual_indexes"]),
+            image_mean=_rgb(pre["image_mean"]),
+            image_std=_rgb(pre["image_std"]),
+            min_pixels=int(size.get("shortest_edge") or pre["min_pixels"]),
+            max_pixels=int(size.get("longest_edge") or pre["max_pixels"]),
+        )
+        generation = GenerationDefaults(
+            eos_token_ids=tuple(int(i) for i in eos_ids),
+            do_sample=bool(gen.get("do_sample", False)),
+            temperature=float(gen.get("temperature", 1.0)),
+            top_k=int(gen.get("top_k", 50)),
+            top_p=float(gen.get("top_p", 1.0)),
+            repetition_penalty=float(gen.get("repetition_penalty", 1.0)),
+        )
+        specials = {
+            key: name
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (name := _token_name(tok_config.get(key))) is not None
+        }
+        return ModelSpec(
+            path=path,
+            name=str(config.get("_name_or_path") or path.name),
+            hidden_size=int(text["hidden_size"]),
+            vocab_size=int(text["vocab_size"]),
+            max_position_embeddings=int(text["max_position_embeddings"]),
+            image_token_id=int(config["image_token_id"]),
+            vision_start_token_id=int(config["vision_start_token_id"]),
+            vision_end_token_id=int(config["vision_end_token_id"]),
+            vision=vision,
+            generation=generation,
+            chat_template=find_chat_template(path, tok_config),
+            special_tokens=specials,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelInvalid(f"{path}: incomplete model configuration ({exc!r})") from exc

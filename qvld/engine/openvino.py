@@ -1,0 +1,176 @@
+"""The only module that imports openvino: read, adapt, compile, and run the submodels.
+
+Every submodel is compiled once. A ``Slot`` bundles one infer request per submodel so
+that one generation owns everything it runs on; the ``SlotPool`` holds
+``engine.infer_requests`` of them, created up front (no allocation per request).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from qvld.config import EngineConfig, ModelConfig
+from qvld.engine.model_dir import ModelSpec
+from qvld.errors import ModelInvalid
+
+# Ops that may sit between the lm_head MatMul and the logits output.
+_PASS_THROUGH = {"Convert", "Multiply", "Divide", "Add", "Tanh"}
+
+
+def slice_logits_to_last_position(model: ov.Model) -> bool:
+    """Make the LM compute logits for the last position only.
+
+    The export computes logits for every prompt position ([B,S,V]); a slice of the
+    hidden states before the lm_head MatMul turns that into [B,1,V]. Returns whether
+    the graph was changed (False if it has no recognisable lm_head).
+    """
+    node = model.output("logits").get_node().input_value(0).get_node()
+    while node.get_type_name() in _PASS_THROUGH:
+        node = node.input_value(0).get_node()
+    if node.get_type_name() != "MatMul":
+        return False
+    hidden = node.input_value(0)
+    if hidden.get_partial_shape().rank.get_length() != 3:
+        return False
+    last = ops.slice(
+        hidden,
+        np.array([-1], dtype=np.int64),
+        np.array([np.iinfo(np.int64).max], dtype=np.int64),
+        np.array([1], dtype=np.int64),
+        np.array([1], dtype=np.int64),
+    )
+    node.input(0).replace_source_output(last.output(0))
+    model.validate_nodes_and_infer_types()
+    return True
+
+
+def compile_properties(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> dict[str, Any]:
+    props: dict[str, Any] = {
+        "PERFORMANCE_HINT": "LATENCY",
+        "NUM_STREAMS": str(engine_cfg.streams),
+    }
+    if engine_cfg.threads != "auto":
+        props["INFERENCE_NUM_THREADS"] = int(engine_cfg.threads)
+    if model_cfg.precision != "auto":
+        props["INFERENCE_PRECISION_HINT"] = model_cfg.precision
+    if model_cfg.kv_cache_precision != "auto":
+        props["KV_CACHE_PRECISION"] = model_cfg.kv_cache_precision
+    return props
+
+
+class CompiledModels:
+    """The compiled submodels of one model directory."""
+
+    def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
+        core = ov.Core()
+        if model_cfg.cache_dir is not None:
+            model_cfg.cache_dir.mkdir(parents=True, exist_ok=True)
+            core.set_property({"CACHE_DIR": str(model_cfg.cache_dir)})
+        props = compile_properties(model_cfg, engine_cfg)
+        try:
+            lm = core.read_model(spec.ir("language_model"))
+            self.logits_sliced = slice_logits_to_last_position(lm)
+            self.language = core.compile_model(lm, model_cfg.device, props)
+            self.embeddings = core.compile_model(
+                spec.ir("text_embeddings_model"), model_cfg.device, props)
+            self.vision = core.compile_model(
+                spec.ir("vision_embeddings_model"), model_cfg.device, props)
+            self.vision_pos = core.compile_model(
+                spec.ir("vision_embeddings_pos_model"), model_cfg.device, props)
+            self.vision_merger = core.compile_model(
+                spec.ir("vision_embeddings_merger_model"), model_cfg.device, props)
+        except RuntimeError as exc:
+            raise ModelInvalid(f"OpenVINO cannot load {spec.path}: {exc}") from exc
+        self.hidden_size = spec.hidden_size
+        self.deepstack_layers = spec.vision.deepstack_layers
+        self.runtime_properties = {
+            key: str(self.language.get_property(key))
+            for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS")
+        }
+
+
+class Slot:
+    """One generation's infer requests; the LM request holds a KV cache (stateful)."""
+
+    def __init__(self, models: CompiledModels) -> None:
+        self._models = models
+        self._lm = models.language.create_infer_request()
+        self._embed = models.embeddings.create_infer_request()
+        self._vision = models.vision.create_infer_request()
+        self._vision_pos = models.vision_pos.create_infer_request()
+        self._merger = models.vision_merger.create_infer_request()
+        self.past_len = 0
+        # (token id, image hash or None) per position held in the KV cache.
+        self.history: list[tuple[int, bytes | None]] = []
+
+    def reset(self) -> None:
+        self._lm.reset_state()
+        self.past_len = 0
+        self.history = []
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        out = self._embed.infer({"input": ids.reshape(1, -1).astype(np.int64)})
+        return np.array(out[0][0])  # copy: the request's buffer is reused
+
+    def step(self, embeds: np.ndarray, positions: np.ndarray, visual_mask: np.ndarray,
+             deepstack: np.ndarray) -> np.ndarray:
+        """Run the LM on ``embeds`` [S,H] after ``past_len`` cached positions.
+
+        positions [3,S]; visual_mask [S] bool; deepstack [k,Nvis,H] for the masked rows
+        (zeros [k,1,H] when there are none). Returns the last position's logits [V].
+        """
+        seq = embeds.shape[0]
+        inputs = {
+            "inputs_embeds": embeds.reshape(1, seq, -1),
+            "attention_mask": np.ones((1, self.past_len + seq), dtype=np.int64),
+            "position_ids": positions.reshape(3, 1, seq).astype(np.int64),
+            "visual_pos_masks": visual_mask.reshape(1, seq),
+            "deepstack_visual_embeds": deepstack,
+            "beam_idx": np.zeros(1, dtype=np.int32),
+        }
+        out = self._lm.infer(inputs, share_inputs=True)
+        self.past_len += seq
+        logits = out[0]
+        return np.array(logits[0, -1], dtype=np.float32)
+
+    def no_deepstack(self) -> np.ndarray:
+        return np.zeros((self._models.deepstack_layers, 1, self._models.hidden_size), np.float32)
+
+    def vision_patches(self, patches: np.ndarray) -> np.ndarray:
+        return np.array(self._vision.infer({"hidden_states": patches}, share_inputs=True)[0])
+
+    def vision_positions(self, corner_ids: np.ndarray) -> np.ndarray:
+        return np.array(self._vision_pos.infer({"input": corner_ids}, share_inputs=True)[0])
+
+    def vision_merge(self, hidden: np.ndarray, mask: np.ndarray,
+                     rotary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out = self._merger.infer(
+            {"hidden_states": hidden, "attention_mask": mask, "rotary_pos_emb": rotary},
+            share_inputs=True)
+        return np.array(out[0]), np.array(out[1])
+
+
+class SlotPool:
+    def __init__(self, models: CompiledModels, size: int) -> None:
+        self.slots = [Slot(models) for _ in range(size)]
+        self._free: queue.Queue[Slot] = queue.Queue()
+        for slot in self.slots:
+            self._free.put(slot)
+
+    @contextmanager
+    def acquire(self) -> Iterator[Slot]:
+        slot = self._free.get()
+        try:
+            yield slot
+        except BaseException:
+            slot.reset()  # a failed run leaves the KV state unknown
+            raise
+        finally:
+            self._free.put(slot)

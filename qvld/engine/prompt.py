@@ -1,0 +1,130 @@
+"""Chat template and tokenizer: messages -> token ids, token ids -> text.
+
+The template is rendered as transformers renders it (sandboxed jinja2, trim_blocks and
+lstrip_blocks, ``raise_exception``, ``tojson``, the special tokens as variables) so that
+the prompt ids equal ``apply_chat_template``'s.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from qvld.errors import BadRequest, ModelInvalid
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body (assistant masks unused)."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja2's own API
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ModelInvalid(f"the chat template does not parse: {exc}") from exc
+        self._special_tokens = dict(special_tokens or {})
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=list(messages),
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise BadRequest(f"the chat template refused the messages: {exc}") from exc
+
+
+class TextTokenizer:
+    """tokenizer.json through the `tokenizers` library; no transformers at run time."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception
+            raise ModelInvalid(f"{path} cannot be loaded: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def token_id(self, token: str) -> int | None:
+        result = self._tok.token_to_id(token)
+        return None if result is None else int(result)
+
+
+def expand_image_pads(ids: Sequence[int], image_token_id: int,
+                      image_tokens: Sequence[int]) -> list[int]:
+    """Replace the i-th image placeholder with ``image_tokens[i]`` copies of it."""
+    out: list[int] = []
+    seen = 0
+    for token in ids:
+        if token != image_token_id:
+            out.append(token)
+            continue
+        if seen >= len(image_tokens):
+            raise BadRequest("the prompt has more image placeholders than images")
+        out.extend([image_token_id] * image_tokens[seen])
+        seen += 1
+    if seen != len(image_tokens):
+        raise BadRequest(f"{len(image_tokens)} images but {seen} image placeholders in the prompt")
+    return out
+
+
+class IncrementalText:
+    """Text of a growing id list, released only up to complete UTF-8 characters."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        self.text = self._tokenizer.decode(self.ids)
+
+    def stable_text(self) -> str:
+        """The text so far without a trailing incomplete character (U+FFFD)."""
+        return self.text.rstrip("\ufffd")

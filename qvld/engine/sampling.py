@@ -1,0 +1,96 @@
+"""Logits processing and token choice, as transformers does it for greedy decoding.
+
+Order: repetition penalty (over prompt + generated ids, as transformers'
+RepetitionPenaltyLogitsProcessor), presence penalty (generated ids, OpenAI style), then
+for sampling temperature -> top-k -> top-p. ``temperature == 0`` is argmax after the
+penalties, which is what ``generate(do_sample=False)`` computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int) -> None:
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        self._seen = np.zeros(vocab_size, dtype=bool)  # in the prompt or generated
+        self._seen[ids[(ids >= 0) & (ids < vocab_size)]] = True
+        self._generated = np.zeros(vocab_size, dtype=bool)
+
+    def _penalise(self, logits: np.ndarray) -> None:
+        p = self.params
+        if p.repetition_penalty != 1.0:
+            idx = np.flatnonzero(self._seen)
+            vals = logits[idx]
+            logits[idx] = np.where(vals < 0, vals * p.repetition_penalty,
+                                   vals / p.repetition_penalty)
+        if p.presence_penalty:
+            logits[self._generated] -= p.presence_penalty
+
+    def choose(self, logits: np.ndarray) -> int:
+        """Pick the next token from the last position's logits (modified in place)."""
+        self._penalise(logits)
+        p = self.params
+        if p.temperature <= 0.0:
+            token = int(np.argmax(logits))
+        else:
+            token = self._sample(logits / np.float32(p.temperature))
+        self._generated[token] = True
+        self._seen[token] = True
+        return token
+
+    def _sample(self, scores: np.ndarray) -> int:
+        p = self.params
+        if 0 < p.top_k < scores.size:
+            candidates = np.argpartition(scores, -p.top_k)[-p.top_k:]
+        else:
+            candidates = np.arange(scores.size)
+        order = candidates[np.argsort(-scores[candidates], kind="stable")]
+        top = scores[order].astype(np.float64)
+        probs = np.exp(top - top[0])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (at least one token).
+            before = np.cumsum(probs) - probs
+            keep = int(np.count_nonzero(before < p.top_p)) or 1
+            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+        pick = int(np.searchsorted(np.cumsum(probs), self._rng.random() * probs.sum()))
+        return int(order[min(pick, order.size - 1)])
+
+
+class StopStrings:
+    """Finds stop strings in generated text and how much text must be held back."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+
+    def find(self, text: str) -> int | None:
+        """Index where the earliest stop string starts, or None."""
+        hits = [i for s in self.stops if (i := text.find(s)) >= 0]
+        return min(hits) if hits else None
+
+    def holdback(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that could start a stop string."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

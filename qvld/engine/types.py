@@ -1,0 +1,63 @@
+"""Plain data in and out of the engine: the fields of the protocol's `generate`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass
+class GenerateRequest:
+    """One generation. ``None`` means: take the model's generation_config / engine default."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_image_tokens: int | None = None
+    # Polled between prefill chunks and decode steps; True ends generation as cancelled.
+    should_stop: Callable[[], bool] | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    image_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Timings:
+    queue_s: float = 0.0
+    image_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# on_token(text_delta, new_token_ids): called as text becomes final (never mid-character,
+# never a possible stop-string prefix).
+TokenCallback = Callable[[str, list[int]], None]

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qvld.engine.model_dir import find_chat_template, load_model_spec
+from qvld.engine.prompt import ChatTemplate, IncrementalText, TextTokenizer, expand_image_pads
+from qvld.errors import BadRequest, ModelInvalid
+
+
+def test_template_renders_parts_system_and_generation_prompt(tiny_dir: Path) -> None:
+    spec = load_model_spec(tiny_dir)
+    template = ChatTemplate(spec.chat_template, spec.special_tokens)
+    text = template.render([
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q"}]},
+    ])
+    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"
+                    "<|vision_start|><|image_pad|><|vision_end|>Q<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert not template.render([{"role": "user", "content": "x"}],
+                               add_generation_prompt=False).endswith("assistant\n")
+
+
+def test_raise_exception_in_template_is_bad_request(tiny_dir: Path) -> None:
+    template = ChatTemplate(load_model_spec(tiny_dir).chat_template)
+    with pytest.raises(BadRequest, match="Unknown role"):
+        template.render([{"role": "tool", "content": "x"}])
+
+
+def test_template_features_transformers_provides() -> None:
+    source = ("{% for m in messages %}{% generation %}{{ m | tojson }}{% endgeneration %}"
+              "{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}{{ eos_token }}"
+              "{{ strftime_now('%Y') | length }}")
+    template = ChatTemplate(source, {"eos_token": "</s>"})
+    out = template.render([{"role": "user", "content": "é"}, {"role": "a", "content": "b"},
+                           {"role": "c", "content": "d"}])
+    assert out == '{"role": "user", "content": "é"}{"role": "a", "content": "b"}</s>4'
+
+
+def test_template_cannot_escape_the_sandbox() -> None:
+    template = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(Exception):  # noqa: B017 - jinja2's SecurityError or our BadRequest
+        template.render([{"role": "user", "content": "x"}])
+
+
+def test_broken_template_is_model_invalid() -> None:
+    with pytest.raises(ModelInvalid):
+        ChatTemplate("{% for %}")
+
+
+def test_template_lookup_order(tmp_path: Path) -> None:
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "json"}))
+    assert find_chat_template(tmp_path, {"chat_template": "config"}) == "json"
+    (tmp_path / "chat_template.jinja").write_text("jinja")
+    assert find_chat_template(tmp_path, {"chat_template": "config"}) == "jinja"
+    empty = tmp_path / "e"
+    empty.mkdir()
+    assert find_chat_template(empty, {"chat_template": "config"}) == "config"
+    named = [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]
+    assert find_chat_template(empty, {"chat_template": named}) == "d"
+    with pytest.raises(ModelInvalid):
+        find_chat_template(empty, {})
+
+
+def test_expand_image_pads() -> None:
+    assert expand_image_pads([1, 9, 2, 9], 9, [2, 3]) == [1, 9, 9, 2, 9, 9, 9]
+    with pytest.raises(BadRequest):
+        expand_image_pads([1, 9, 9], 9, [2])
+    with pytest.raises(BadRequest):
+        expand_image_pads([1, 9], 9, [2, 2])
+
+
+def test_incremental_text_never_releases_half_a_character(tiny_dir: Path) -> None:
+    tok = TextTokenizer(tiny_dir / "tokenizer.json")
+    ids = tok.encode("a𝄞b")  # a 4-byte character: byte-level BPE splits it
+    assert tok.decode(ids) == "a𝄞b"
+    text = IncrementalText(tok)
+    released = []
+    for token in ids:
+        text.add(token)
+        released.append(text.stable_text())
+    assert all("\ufffd" not in r for r in released)
+    assert released[-1] == "a𝄞b"
+    assert len(ids) > 3  # the character really was split
+
+
+def test_model_spec_reads_ids_and_limits(tiny_dir: Path) -> None:
+    spec = load_model_spec(tiny_dir)
+    config = json.loads((tiny_dir / "config.json").read_text())
+    tok = TextTokenizer(tiny_dir / "tokenizer.json")
+    assert spec.image_token_id == config["image_token_id"] == tok.token_id("<|image_pad|>")
+    assert tok.token_id("<|im_end|>") in spec.generation.eos_token_ids
+    assert spec.vision.patch_size == 16 and spec.vision.deepstack_layers == 2
+    assert spec.vision.max_pixels == 256 * 32 * 32

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
+
+
+def test_greedy_is_argmax_after_repetition_penalty() -> None:
+    logits = np.array([1.0, 2.0, 1.9, -1.0], dtype=np.float32)
+    # Token 1 was in the prompt: 2.0 / 1.2 = 1.67 < 1.9, so token 2 wins.
+    sampler = Sampler(SamplingParams(repetition_penalty=1.2), prompt_ids=[1, 3], vocab_size=4)
+    assert sampler.choose(logits.copy()) == 2
+    assert Sampler(SamplingParams(), [1], 4).choose(logits.copy()) == 1
+
+
+def test_repetition_penalty_matches_transformers_rule() -> None:
+    logits = np.array([2.0, -2.0, 1.0], dtype=np.float32)
+    sampler = Sampler(SamplingParams(repetition_penalty=2.0), prompt_ids=[0, 1, 1], vocab_size=3)
+    sampler._penalise(logits)
+    np.testing.assert_allclose(logits, [1.0, -4.0, 1.0])
+
+
+def test_generated_tokens_are_penalised_on_later_steps() -> None:
+    sampler = Sampler(SamplingParams(repetition_penalty=10.0), prompt_ids=[], vocab_size=3)
+    assert sampler.choose(np.array([1.0, 0.9, 0.0], np.float32)) == 0
+    assert sampler.choose(np.array([1.0, 0.9, 0.0], np.float32)) == 1
+
+
+def test_presence_penalty_only_touches_generated_tokens() -> None:
+    sampler = Sampler(SamplingParams(presence_penalty=1.5), prompt_ids=[1], vocab_size=3)
+    assert sampler.choose(np.array([0.0, 1.0, 0.5], np.float32)) == 1
+    logits = np.array([0.0, 1.0, 0.5], np.float32)
+    sampler._penalise(logits)
+    np.testing.assert_allclose(logits, [0.0, -0.5, 0.5])
+
+
+def test_top_k_restricts_the_support() -> None:
+    logits = np.linspace(0, 1, 50).astype(np.float32)
+    sampler = Sampler(SamplingParams(temperature=5.0, top_k=3, seed=1), [], 50)
+    picks = {sampler.choose(logits.copy()) for _ in range(300)}
+    assert picks == {47, 48, 49}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(probs).astype(np.float32)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=3), [], 4)
+    picks = [sampler.choose(logits.copy()) for _ in range(2000)]
+    assert set(picks) == {0, 1}
+    share = picks.count(0) / len(picks)
+    assert abs(share - 0.5 / 0.8) < 0.05
+
+
+def test_sampling_follows_the_distribution_and_the_seed() -> None:
+    logits = np.log(np.array([0.7, 0.2, 0.1])).astype(np.float32)
+
+    def draws(seed: int) -> list[int]:
+        s = Sampler(SamplingParams(temperature=1.0, seed=seed), [], 3)
+        return [s.choose(logits.copy()) for _ in range(3000)]
+
+    a = draws(5)
+    assert a == draws(5)
+    assert a != draws(6)
+    assert abs(a.count(0) / 3000 - 0.7) < 0.04
+    assert abs(a.count(2) / 3000 - 0.1) < 0.03
+
+
+@pytest.mark.parametrize(
+    ("stops", "text", "found", "held"),
+    [
+        (["END"], "abcEN", None, 2),
+        (["END"], "abcENDxyz", 3, 0),
+        (["END", "c"], "abcEND", 2, 0),
+        (["xyz"], "hello", None, 0),
+        (["ab", "abc"], "zzab", 2, 0),
+        ([], "anything", None, 0),
+        (["\n\n"], "line\n", None, 1),
+    ],
+)
+def test_stop_strings(stops: list[str], text: str, found: int | None, held: int) -> None:
+    matcher = StopStrings(stops)
+    assert matcher.find(text) == found
+    if found is None:
+        assert matcher.holdback(text) == held
