@@ -33,6 +33,8 @@ class EngineConfig(_Section):
     max_image_tokens: int = Field(1024, ge=1)
     default_image_tokens: int = Field(256, ge=1)
     max_images: int = Field(8, ge=0)
+    # Decompression-bomb guard: images whose header declares more pixels are refused.
+    max_decode_pixels: int = Field(64_000_000, ge=1)
     max_context_tokens: int = Field(8192, ge=16)
     max_new_tokens: int = Field(512, ge=1)
     default_max_tokens: int = Field(128, ge=1)

@@ -26,6 +26,21 @@ def load_reference(path: Path) -> dict[str, Any]:
     return dict(json.loads((path / "reference.json").read_text(encoding="utf-8")))
 
 
+def with_image_bytes(messages: list[dict[str, Any]], model_dir: Path) -> list[dict[str, Any]]:
+    """Reference messages name image files; the engine takes their bytes."""
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [
+                {"type": "image", "image": (model_dir / "images" / part["image"]).read_bytes()}
+                if part["type"] == "image" else part
+                for part in content
+            ]
+        out.append({**message, "content": content})
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     return TINY

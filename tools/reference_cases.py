@@ -1,10 +1,13 @@
 """Reference cases and what transformers (fp32, greedy) generates for them.
 
-The cases are plain data (``TEXT_CASES``) so that the test suite can read them back from
-``reference.json`` without torch. ``write_reference`` runs transformers on a saved
-Hugging Face model directory and records, per case: the prompt ids, the generated ids
-(including the eos id when generation ended on it, as ``generate`` returns them) and the
-smallest top-1/top-2 logit margin seen, so a fragile (near-tie) case shows up at once.
+The cases are plain data (``TEXT_CASES``, ``IMAGE_CASES``) so that the test suite can
+read them back from ``reference.json`` without torch; the images are generated here
+(deterministically) into ``OUT/images`` and referred to by file name.
+``write_reference`` runs transformers on a saved Hugging Face model directory and
+records, per case: the prompt ids, the generated ids (including the eos id when
+generation ended on it, as ``generate`` returns them) and the smallest top-1/top-2 logit
+margin seen, so a fragile (near-tie) case shows up at once; and the processor's
+pixel_values and grid per image.
 """
 
 from __future__ import annotations
@@ -73,6 +76,161 @@ TEXT_CASES: list[dict[str, Any]] = [
 ]
 
 
+IMAGE_PROMPT = "What is in this picture?"
+
+
+def _image_case(name: str, image: str, question: str = IMAGE_PROMPT) -> dict[str, Any]:
+    return {
+        "name": f"image_{name}",
+        "messages": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                  {"type": "text", "text": question}]}],
+        "max_new_tokens": 16,
+    }
+
+
+# name -> (file name, what it exercises). Kept small so the fixture stays a few MB.
+IMAGES: dict[str, str] = {
+    "photo": "photo.png",          # RGB, shrunk under the pixel budget
+    "large": "large.jpg",          # JPEG, much larger than the budget
+    "small": "small.png",          # grown to the minimum pixels
+    "tall": "tall.png",            # 1:13 aspect ratio
+    "wide": "wide.webp",           # WebP, wide
+    "gray": "gray.png",            # mode L
+    "rgba": "rgba.png",            # alpha, composited on white
+    "palette": "palette.png",      # mode P
+    "jpeg": "photo.jpg",           # plain JPEG
+    "cmyk": "cmyk.jpg",            # CMYK JPEG
+    "exif": "exif.jpg",            # EXIF orientation 6 (rotated when displayed)
+    "gif": "anim.gif",             # first frame of an animated GIF
+    "bmp": "plain.bmp",            # BMP
+}
+
+IMAGE_CASES: list[dict[str, Any]] = [
+    *(_image_case(name, file) for name, file in IMAGES.items()),
+    {
+        "name": "two_images_one_message",
+        "messages": [{"role": "user", "content": [
+            {"type": "image", "image": "photo.png"},
+            {"type": "text", "text": "Compare this"},
+            {"type": "image", "image": "gray.png"},
+            {"type": "text", "text": "with that."}]}],
+        "max_new_tokens": 16,
+    },
+    {
+        "name": "images_in_two_turns",
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": "small.png"},
+                                         {"type": "text", "text": "What colours are there?"}]},
+            {"role": "assistant", "content": "Red, green and blue."},
+            {"role": "user", "content": [{"type": "image", "image": "tall.png"},
+                                         {"type": "text", "text": "And here?"}]},
+        ],
+        "max_new_tokens": 16,
+    },
+    {
+        "name": "image_with_system",
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+            {"role": "user", "content": [{"type": "image", "image": "photo.jpg"},
+                                         {"type": "text", "text": "How many people?"}]},
+        ],
+        "max_new_tokens": 16,
+    },
+    _image_case("non_ascii_question", "palette.png", "Что на картинке? 图片里有什么？"),
+    {
+        "name": "text_after_image_first",
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Look:"},
+            {"type": "image", "image": "wide.webp"}]}],
+        "max_new_tokens": 16,
+    },
+]
+
+
+def _scene(height: int, width: int, seed: int) -> Any:
+    """A smooth RGB scene (gradients, discs, a little noise): compresses well, not flat."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    img = np.stack([
+        255 * x / max(width - 1, 1),
+        255 * y / max(height - 1, 1),
+        128 + 100 * np.sin((x + y) / 23.0),
+    ], axis=-1)
+    for _ in range(4):
+        cy, cx = rng.uniform(0, height), rng.uniform(0, width)
+        r = rng.uniform(0.1, 0.4) * min(height, width)
+        disc = (y - cy) ** 2 + (x - cx) ** 2 < r * r
+        img[disc] = rng.uniform(0, 255, size=3)
+    img += rng.normal(0, 6, size=img.shape)
+    return img.clip(0, 255).astype(np.uint8)
+
+
+def write_images(folder: Path) -> None:
+    """Write the reference images (deterministic bytes for a given Pillow version)."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(_scene(200, 300, 1)).save(folder / "photo.png")
+    Image.fromarray(_scene(900, 1200, 2)).save(folder / "large.jpg", quality=70)
+    Image.fromarray(_scene(30, 40, 3)).save(folder / "small.png")
+    Image.fromarray(_scene(780, 60, 4)).save(folder / "tall.png")
+    Image.fromarray(_scene(100, 700, 5)).save(folder / "wide.webp", quality=80)
+    Image.fromarray(_scene(256, 256, 6)).convert("L").save(folder / "gray.png")
+    rgba = Image.fromarray(_scene(160, 200, 7)).convert("RGBA")
+    alpha = Image.linear_gradient("L").resize(rgba.size)
+    rgba.putalpha(alpha)
+    rgba.save(folder / "rgba.png")
+    Image.fromarray(_scene(240, 180, 8)).quantize(colors=32).save(folder / "palette.png")
+    Image.fromarray(_scene(384, 512, 9)).save(folder / "photo.jpg", quality=90)
+    Image.fromarray(_scene(240, 320, 10)).convert("CMYK").save(folder / "cmyk.jpg")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90° clockwise when displayed
+    Image.fromarray(_scene(200, 320, 11)).save(folder / "exif.jpg", exif=exif)
+    frames = [Image.fromarray(_scene(96, 128, s)).quantize(colors=64) for s in (12, 13)]
+    frames[0].save(folder / "anim.gif", save_all=True, append_images=frames[1:], duration=100)
+    Image.fromarray(_scene(100, 100, 14)).save(folder / "plain.bmp")
+
+
+def load_reference_image(path: Path) -> Any:
+    """The image transformers is given: EXIF-rotated, RGB, transparency on white.
+
+    transformers' processor itself drops alpha (``convert("RGB")``); Qwen's own pipeline
+    (qwen-vl-utils) composites it on white first, and so does qvld.
+    """
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    with Image.open(path) as raw:
+        has_alpha = raw.mode in ("RGBA", "LA", "PA") or "transparency" in raw.info
+        if has_alpha:
+            rgba = raw.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+    return load_image(str(path))
+
+
+def build_processor(hf_dir: Path) -> Any:
+    """Qwen3VLProcessor without torchvision: its video processor base is patched in."""
+    import transformers
+    import transformers.processing_utils as processing_utils
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    transformers.BaseVideoProcessor = BaseVideoProcessor
+    processing_utils.transformers_module.BaseVideoProcessor = BaseVideoProcessor
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor.from_pretrained(hf_dir),
+        tokenizer=AutoTokenizer.from_pretrained(hf_dir),
+        video_processor=Qwen3VLVideoProcessor(),
+        chat_template=(hf_dir / "chat_template.jinja").read_text(),
+    )
+
+
 def generate_reference(model: Any, inputs: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
     import torch
 
@@ -97,19 +255,36 @@ def generate_reference(model: Any, inputs: dict[str, Any], max_new_tokens: int) 
     }
 
 
+def _with_images(messages: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):  # the processor wants parts; the template renders both
+            content = [{"type": "text", "text": content}]
+        else:
+            content = [
+                {"type": "image", "image": load_reference_image(folder / part["image"])}
+                if part["type"] == "image" else part
+                for part in content
+            ]
+        out.append({**message, "content": content})
+    return out
+
+
 def write_reference(hf_dir: Path, out_dir: Path, preset: str) -> Path:
+    import numpy as np
     import torch
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    processor = build_processor(hf_dir)
     model = Qwen3VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    chat_template = (hf_dir / "chat_template.jinja").read_text()
+    images = out_dir / "images"
+    write_images(images)
     cases = []
-    for case in TEXT_CASES:
-        inputs = tokenizer.apply_chat_template(
-            case["messages"],
-            chat_template=chat_template,
+    for case in TEXT_CASES + IMAGE_CASES:
+        inputs = processor.apply_chat_template(
+            _with_images(case["messages"], images),
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,
@@ -117,6 +292,15 @@ def write_reference(hf_dir: Path, out_dir: Path, preset: str) -> Path:
         )
         ref = generate_reference(model, dict(inputs), case["max_new_tokens"])
         cases.append({**case, **ref})
+    # The processor's pixel_values and grid per image, each processed on its own.
+    pixels: dict[str, Any] = {}
+    for name, file in IMAGES.items():
+        out = processor.image_processor(images=[load_reference_image(images / file)],
+                                        return_tensors="np")
+        pixels[f"{name}/pixel_values"] = out["pixel_values"].astype(np.float32)
+        pixels[f"{name}/grid_thw"] = out["image_grid_thw"][0]
+    np.savez_compressed(out_dir / "reference_pixels.npz", **pixels)
     path = out_dir / "reference.json"
-    path.write_text(json.dumps({"preset": preset, "cases": cases}, ensure_ascii=False, indent=1))
+    document = {"preset": preset, "images": IMAGES, "cases": cases}
+    path.write_text(json.dumps(document, ensure_ascii=False, indent=1))
     return path

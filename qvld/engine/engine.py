@@ -9,11 +9,13 @@ import numpy as np
 
 from qvld.config import Config
 from qvld.engine.generate import Prompt, mrope_positions, run_generation
+from qvld.engine.image import PixelBudget, PreparedImage, prepare
 from qvld.engine.model_dir import ModelSpec, load_model_spec
 from qvld.engine.openvino import CompiledModels, Slot, SlotPool
 from qvld.engine.prompt import ChatTemplate, TextTokenizer, expand_image_pads
 from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
 from qvld.engine.types import GenerateRequest, GenerateResult, Timings, TokenCallback, Usage
+from qvld.engine.vision import encode_image
 from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
 
 _ROLES = {"system", "user", "assistant"}
@@ -102,41 +104,69 @@ class Engine:
             raise BadRequest(f"at most {self.config.engine.max_images} images per request")
         return shown, images
 
-    def build_prompt(self, request: GenerateRequest) -> tuple[Prompt, float]:
-        """Template, tokenise and encode images; returns the prompt and the image time."""
+    def image_budget(self, request: GenerateRequest) -> PixelBudget:
+        cfg = self.config.engine
+        tokens = cfg.default_image_tokens if request.max_image_tokens is None \
+            else request.max_image_tokens
+        if tokens < 1:
+            raise BadRequest("max_image_tokens must be >= 1")
+        return PixelBudget.for_request(self.spec.vision, min(tokens, cfg.max_image_tokens))
+
+    def tokenize(self, request: GenerateRequest) -> tuple[list[int], list[PreparedImage]]:
+        """Template, tokenise, decode and patchify images; no inference yet."""
         shown, images = self._check_messages(request.messages)
         text = self.template.render(shown, add_generation_prompt=True)
         ids = self.tokenizer.encode(text)
-        hidden = self.spec.hidden_size
-        k = self.spec.vision.deepstack_layers
-        if images:
-            raise BadRequest("images are not supported by this engine yet")
-        ids = expand_image_pads(ids, self.spec.image_token_id, [])
-        positions, delta = mrope_positions(ids, self.spec.image_token_id, [])
-        prompt = Prompt(
+        budget = self.image_budget(request)
+        limit = self.config.engine.max_decode_pixels
+        prepared = [prepare(data, self.spec.vision, budget, limit) for data in images]
+        ids = expand_image_pads(ids, self.spec.image_token_id, [p.tokens for p in prepared])
+        return ids, prepared
+
+    def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage]) -> Prompt:
+        """Encode the images on ``slot`` and lay out embeddings, masks and positions."""
+        hidden, k = self.spec.hidden_size, self.spec.vision.deepstack_layers
+        encoded = [encode_image(slot, image, self.spec.vision) for image in images]
+        positions, delta = mrope_positions(ids, self.spec.image_token_id,
+                                           [image.merged_grid for image in images])
+        visual_mask = np.asarray(ids) == self.spec.image_token_id
+        keys: list[tuple[int, bytes | None]] = [(t, None) for t in ids]
+        rows = np.flatnonzero(visual_mask)
+        offset = 0
+        for image in images:
+            for row in rows[offset:offset + image.tokens]:
+                keys[row] = (ids[row], image.digest)
+            offset += image.tokens
+        return Prompt(
             ids=ids,
             positions=positions,
             rope_delta=delta,
-            visual_mask=np.zeros(len(ids), dtype=bool),
-            visual_embeds=np.zeros((0, hidden), np.float32),
-            deepstack=np.zeros((k, 0, hidden), np.float32),
-            keys=[(t, None) for t in ids],
+            visual_mask=visual_mask,
+            visual_embeds=np.concatenate([e.embeds for e in encoded]) if encoded
+            else np.zeros((0, hidden), np.float32),
+            deepstack=np.concatenate([e.deepstack for e in encoded], axis=1) if encoded
+            else np.zeros((k, 0, hidden), np.float32),
+            keys=keys,
         )
-        return prompt, 0.0
 
     def generate(self, request: GenerateRequest,
                  on_token: TokenCallback | None = None) -> GenerateResult:
         t0 = time.perf_counter()
         params = self.sampling_params(request)
         max_tokens = self._max_tokens(request)
-        prompt, image_s = self.build_prompt(request)
-        if len(prompt.ids) + 1 > self.max_context:
-            raise PromptTooLong(f"the prompt has {len(prompt.ids)} tokens; the context holds "
+        ids, images = self.tokenize(request)
+        if len(ids) + 1 > self.max_context:
+            raise PromptTooLong(f"the prompt has {len(ids)} tokens; the context holds "
                                 f"{self.max_context} including at least one generated token")
-        sampler = Sampler(params, prompt.ids, self.spec.vocab_size)
+        image_s = time.perf_counter() - t0
+        sampler = Sampler(params, ids, self.spec.vocab_size)
         eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
         with self.pool.acquire() as slot:
+            t_vision = time.perf_counter()
+            prompt = self.assemble(slot, ids, images)
+            image_s += time.perf_counter() - t_vision
             cached = self._reuse(slot, prompt)
+            t_generate = time.perf_counter()
             outcome = run_generation(
                 slot, prompt, self.tokenizer, sampler,
                 max_tokens=max_tokens,
@@ -162,7 +192,7 @@ class Engine:
             timings=Timings(
                 image_s=image_s,
                 prefill_s=outcome.prefill_s,
-                ttft_s=image_s + outcome.ttft_s,
+                ttft_s=(t_generate - t0) + outcome.ttft_s,
                 decode_s=outcome.decode_s,
                 total_s=total,
             ),

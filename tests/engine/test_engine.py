@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,20 +14,27 @@ from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
 from qvld.engine.openvino import slice_logits_to_last_position
 from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
-from tests.conftest import TINY, load_reference, parity_config
+from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
 
 CASES = load_reference(TINY)["cases"]
+TEXT_CASES = [c for c in CASES if "image" not in json.dumps(c["messages"])]
+IMAGE_CASES = [c for c in CASES if c not in TEXT_CASES]
 
 
 def greedy(case: dict[str, Any], **kw: Any) -> GenerateRequest:
-    return GenerateRequest(messages=case["messages"], max_tokens=case["max_new_tokens"],
-                           temperature=0.0, **kw)
+    return GenerateRequest(messages=with_image_bytes(case["messages"], TINY),
+                           max_tokens=case["max_new_tokens"], temperature=0.0, **kw)
+
+
+def test_reference_has_the_cases_the_issues_ask_for() -> None:
+    assert len(TEXT_CASES) >= 6
+    assert len(IMAGE_CASES) >= 12
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_prompt_ids_equal_transformers(tiny_engine: Engine, case: dict[str, Any]) -> None:
-    prompt, _ = tiny_engine.build_prompt(GenerateRequest(messages=case["messages"]))
-    assert prompt.ids == case["input_ids"]
+    ids, _ = tiny_engine.tokenize(greedy(case))
+    assert ids == case["input_ids"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
@@ -43,8 +51,11 @@ def test_reference_covers_a_prompt_longer_than_one_chunk(tiny_engine: Engine) ->
     assert max(len(c["input_ids"]) for c in CASES) > 3 * chunk
 
 
-def test_chunk_size_does_not_change_ids(tiny_engine: Engine) -> None:
-    case = next(c for c in CASES if c["name"] == "longer_than_chunk")
+@pytest.mark.parametrize("name", ["longer_than_chunk", "two_images_one_message",
+                                  "images_in_two_turns", "image_with_system"])
+def test_chunk_size_does_not_change_ids(name: str) -> None:
+    # Chunks of 7 split images across chunks: deepstack rows must follow their chunk.
+    case = next(c for c in CASES if c["name"] == name)
     odd = Engine(parity_config(TINY, prefill_chunk=7, infer_requests=1))
     whole = Engine(parity_config(TINY, prefill_chunk=4096, infer_requests=1))
     assert odd.generate(greedy(case)).token_ids == case["token_ids"]
@@ -176,7 +187,7 @@ def test_prompt_too_long() -> None:
 
 
 def test_streaming_text_concatenates_to_the_result(tiny_engine: Engine) -> None:
-    for case in CASES:
+    for case in TEXT_CASES:
         pieces: list[str] = []
         ids: list[int] = []
 

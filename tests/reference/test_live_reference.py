@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from tests.conftest import TINY, load_reference, parity_config
+from qvld.engine.image import prepare
+from qvld.engine.vision import (
+    position_corners,
+    rotary_embedding,
+    to_merge_order,
+    torch_linspace,
+)
+from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
@@ -43,15 +50,57 @@ def test_rebuilt_model_matches_transformers_exactly(rebuilt: dict[str, Path],
     path = rebuilt[preset]
     reference = load_reference(path)
     engine = Engine(parity_config(path, prefill_chunk=64))
-    assert len(reference["cases"]) >= 6
+    assert len(reference["cases"]) >= 6 + 12
     for case in reference["cases"]:
         # A near-tie would make exact parity a coin toss: the cases must be decisive.
         assert case["min_margin"] > 1e-3, case["name"]
-        prompt, _ = engine.build_prompt(GenerateRequest(messages=case["messages"]))
-        assert prompt.ids == case["input_ids"], case["name"]
-        result = engine.generate(GenerateRequest(
-            messages=case["messages"], max_tokens=case["max_new_tokens"], temperature=0.0))
-        assert result.token_ids == case["token_ids"], case["name"]
+        request = GenerateRequest(messages=with_image_bytes(case["messages"], path),
+                                  max_tokens=case["max_new_tokens"], temperature=0.0)
+        ids, _ = engine.tokenize(request)
+        assert ids == case["input_ids"], case["name"]
+        assert engine.generate(request).token_ids == case["token_ids"], case["name"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_rebuilt_pixels_equal_the_processor(rebuilt: dict[str, Path], preset: str) -> None:
+    import numpy as np
+
+    path = rebuilt[preset]
+    reference = load_reference(path)
+    pixels = np.load(path / "reference_pixels.npz")
+    engine = Engine(parity_config(path, infer_requests=1))
+    budget = engine.image_budget(GenerateRequest(messages=[]))
+    for name, file in reference["images"].items():
+        image = prepare((path / "images" / file).read_bytes(), engine.spec.vision, budget,
+                        engine.config.engine.max_decode_pixels)
+        assert [1, image.grid_h, image.grid_w] == pixels[f"{name}/grid_thw"].tolist(), name
+        assert np.abs(image.patches - pixels[f"{name}/pixel_values"]).max() <= 1e-5, name
+
+
+def test_vision_position_helpers_equal_transformers() -> None:
+    import numpy as np
+    import torch
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    for side in (12, 16, 48):
+        for steps in range(1, 200):
+            expected = torch.linspace(0, side - 1, steps).numpy()
+            assert np.array_equal(torch_linspace(0, side - 1, steps), expected)
+    config = Qwen3VLConfig.from_pretrained(TINY).vision_config
+    model = Qwen3VLVisionModel._from_config(config).eval()
+    side = int(config.num_position_embeddings ** 0.5)
+    table = model.pos_embed.weight.detach().numpy()
+    for gh, gw in [(4, 6), (8, 8), (48, 4), (6, 44)]:
+        grid = torch.tensor([[1, gh, gw]])
+        rotary = model.rot_pos_emb(grid).numpy()
+        head_dim = config.hidden_size // config.num_heads
+        np.testing.assert_array_equal(rotary_embedding(gh, gw, 2, head_dim), rotary)
+        idx, weights = position_corners(gh, gw, side)
+        with torch.no_grad():
+            expected = model.fast_pos_embed_interpolate(grid).numpy()
+        ours = (table[idx] * weights[:, :, None]).sum(0)
+        np.testing.assert_allclose(to_merge_order(ours, gh, gw, 2), expected, atol=1e-6)
 
 
 def test_presets_differ_in_every_dimension(rebuilt: dict[str, Path]) -> None:
@@ -76,5 +125,7 @@ def test_committed_fixture_is_what_the_tool_builds(rebuilt: dict[str, Path]) -> 
         c["input_ids"] for c in committed["cases"]]
     assert [c["token_ids"] for c in reference["cases"]] == [
         c["token_ids"] for c in committed["cases"]]
-    for name in ("openvino_language_model.bin", "tokenizer.json"):
+    names = ["openvino_language_model.bin", "openvino_vision_embeddings_merger_model.bin",
+             "tokenizer.json", *(f"images/{f}" for f in committed["images"].values())]
+    for name in names:
         assert (rebuilt["tiny"] / name).read_bytes() == (TINY / name).read_bytes(), name

@@ -1,0 +1,162 @@
+"""Image bytes -> vision patches: decode, validate, resize and patchify (Pillow + numpy).
+
+The steps follow transformers' ``Qwen2VLImageProcessor`` (smart_resize, PIL bicubic,
+x/255 then (x-mean)/std, the 2x2 merge-block patch order), so that the patches equal its
+``pixel_values``. Images are refused before decoding when their header declares more
+pixels than ``max_decode_pixels`` (decompression bombs), and anything that is not a
+readable PNG/JPEG/WebP/GIF/BMP is ``image_invalid``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from qvld.engine.model_dir import VisionSpec
+from qvld.errors import ImageInvalid, ImageTooLarge
+
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+MAX_ASPECT_RATIO = 200
+
+
+@dataclass(frozen=True)
+class PixelBudget:
+    """Pixels an image may be resized into (both multiples of factor² = (patch·merge)²)."""
+
+    min_pixels: int
+    max_pixels: int
+
+    @classmethod
+    def for_request(cls, vision: VisionSpec, image_tokens: int) -> PixelBudget:
+        """``image_tokens`` (already capped by the engine) within the model's own limits."""
+        factor = vision.patch_size * vision.merge_size
+        max_pixels = min(image_tokens * factor * factor, vision.max_pixels)
+        return cls(min_pixels=vision.min_pixels, max_pixels=max(max_pixels, vision.min_pixels))
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    patches: np.ndarray  # [grid_h*grid_w, 3*T*P*P] float32, merge-block order
+    grid_h: int  # in patches
+    grid_w: int
+    merge_size: int
+    digest: bytes  # content + preprocessing identity, for caches
+
+    @property
+    def tokens(self) -> int:
+        return self.grid_h * self.grid_w // (self.merge_size * self.merge_size)
+
+    @property
+    def merged_grid(self) -> tuple[int, int]:
+        return self.grid_h // self.merge_size, self.grid_w // self.merge_size
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int,
+                 max_pixels: int) -> tuple[int, int]:
+    """Round to multiples of ``factor`` and scale into [min_pixels, max_pixels]."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageInvalid(f"aspect ratio {max(height, width) / min(height, width):.0f}:1 "
+                           f"exceeds {MAX_ASPECT_RATIO}:1")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _has_alpha(image: Image.Image) -> bool:
+    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB as Qwen's own pipeline sees it: transparency composited on white."""
+    if image.mode == "RGB":
+        return image
+    if _has_alpha(image):
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # Pillow clips 16-bit values to 255 when converting; scale them down instead.
+        wide = np.asarray(image, dtype=np.uint32)
+        return Image.fromarray((wide >> 8).clip(0, 255).astype(np.uint8), "L").convert("RGB")
+    return image.convert("RGB")
+
+
+def decode(data: bytes, max_decode_pixels: int) -> Image.Image:
+    """Open, check the declared size, then decode the first frame with EXIF orientation."""
+    if not data:
+        raise ImageInvalid("the image is empty")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            if image.format not in FORMATS:
+                raise ImageInvalid(f"unsupported image format {image.format}; "
+                                   f"expected one of {', '.join(FORMATS)}")
+            width, height = image.size
+            if width < 1 or height < 1:
+                raise ImageInvalid("the image has no pixels")
+            if width * height > max_decode_pixels:
+                raise ImageTooLarge(f"the image declares {width}x{height} pixels; "
+                                    f"at most {max_decode_pixels} are decoded")
+            image.seek(0)
+            image.load()
+            return to_rgb(ImageOps.exif_transpose(image))
+    except (ImageInvalid, ImageTooLarge):
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageTooLarge(f"the image is too large to decode: {exc}") from exc
+    except (OSError, SyntaxError, ValueError, TypeError, EOFError, IndexError,
+            MemoryError) as exc:
+        raise ImageInvalid(f"the image cannot be decoded: {exc}") from exc
+
+
+def normalize(rgb: np.ndarray, vision: VisionSpec) -> np.ndarray:
+    """uint8 HWC -> float32 CHW, (x/255 - mean) / std with transformers' dtypes."""
+    scaled = (rgb.astype(np.float64) * (1 / 255)).astype(np.float32)
+    mean = np.asarray(vision.image_mean, dtype=np.float32)
+    std = np.asarray(vision.image_std, dtype=np.float32)
+    return np.ascontiguousarray(((scaled - mean) / std).transpose(2, 0, 1))
+
+
+def patchify(chw: np.ndarray, vision: VisionSpec) -> np.ndarray:
+    """CHW frame -> [gh*gw, C*T*P*P], the frame repeated T times, merge blocks together."""
+    p, t, m = vision.patch_size, vision.temporal_patch_size, vision.merge_size
+    c, h, w = chw.shape
+    gh, gw = h // p, w // p
+    frames = np.broadcast_to(chw, (t, c, h, w))
+    x = frames.reshape(1, t, c, gh // m, m, p, gw // m, m, p)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(x.reshape(gh * gw, c * t * p * p))
+
+
+def prepare(data: bytes, vision: VisionSpec, budget: PixelBudget,
+            max_decode_pixels: int) -> PreparedImage:
+    image = decode(data, max_decode_pixels)
+    factor = vision.patch_size * vision.merge_size
+    height, width = smart_resize(image.height, image.width, factor,
+                                 budget.min_pixels, budget.max_pixels)
+    if (height, width) != (image.height, image.width):
+        image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
+    chw = normalize(np.asarray(image, dtype=np.uint8), vision)
+    digest = hashlib.sha256(data).digest() + f"{height}x{width}".encode()
+    return PreparedImage(
+        patches=patchify(chw, vision),
+        grid_h=height // vision.patch_size,
+        grid_w=width // vision.patch_size,
+        merge_size=vision.merge_size,
+        digest=hashlib.sha256(digest).digest(),
+    )
