@@ -8,7 +8,7 @@ CONVERT := $(VENV)/.stamp-convert
 PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
-.PHONY: test test-reference lint fixtures clean
+.PHONY: run test test-reference lint fixtures clean
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ $(CONVERT): $(BASE)
 	$(BIN)/pip install -q -e '.[test,convert]'
 	$(BIN)/pip install -q --no-deps optimum-intel==2.2.0
 	touch $@
+
+# The main job: qvld on the bundled tiny model (or $$QVLD_MODEL), one question about
+# examples/receipt.png, the streamed answer and timings, then the daemon stops.
+run: $(BASE)
+	tools/demo.sh
 
 test: $(BASE)
 	$(PYTEST) -m "not reference"

@@ -1,0 +1,1 @@
+"""qvlctl: query and admin client for qvld (never imports the engine)."""

@@ -1,7 +1,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +58,83 @@ def tiny_engine() -> Iterator[Engine]:
 @pytest.fixture(scope="session")
 def tiny_reference() -> dict[str, Any]:
     return load_reference(TINY)
+
+
+class Daemon:
+    """The real `qvld` process on a real Unix socket, started from the command line."""
+
+    def __init__(self, workdir: Path, model: Path = TINY, args: Sequence[str] = (),
+                 config_text: str = "", socket_path: Path | None = None) -> None:
+        self.workdir = workdir
+        self.socket = socket_path or workdir / "qvld.sock"
+        self.log_path = workdir / "qvld.log"
+        config = workdir / "qvld.yaml"
+        config.write_text(config_text)
+        self.argv = [sys.executable, "-m", "qvld.cli", "--config", str(config),
+                     "--model", str(model), "--socket", str(self.socket),
+                     "--set", "model.precision=f32", "--set", "model.kv_cache_precision=f32",
+                     "--set", "metrics.listen=", *args]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait_ready: bool = True, timeout: float = 60) -> Daemon:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        from qvlctl.client import Client
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"qvld exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                with Client(self.socket, timeout=5) as client:
+                    if client.health()["ready"]:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"qvld not ready within {timeout} s:\n{self.log()}")
+
+    def client(self, timeout: float | None = 60) -> Any:
+        from qvlctl.client import Client
+
+        return Client(self.socket, timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+    def qvlctl(self, *args: str, stdin: bytes | None = None,
+               timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
+        return run_qvlctl(self.socket, *args, stdin=stdin, timeout=timeout)
+
+
+def run_qvlctl(socket_path: Path, *args: str, stdin: bytes | None = None,
+               timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
+    """The real qvlctl command line, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "qvlctl.cli", "--socket", str(socket_path), *args],
+        input=stdin, capture_output=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    proc = Daemon(tmp_path_factory.mktemp("qvld")).start()
+    yield proc
+    assert proc.stop() == 0, proc.log()

@@ -17,3 +17,8 @@ def test_engine_runs_without_torch_or_transformers() -> None:
     loaded = modules_after("import qvld.engine")
     assert "openvino" in loaded
     assert not {"torch", "transformers", "optimum"} & loaded
+
+
+def test_qvlctl_never_imports_the_engine() -> None:
+    loaded = modules_after("import qvlctl.cli")
+    assert not {"openvino", "torch", "transformers", "numpy", "PIL", "qvld.engine"} & loaded

@@ -91,9 +91,14 @@ class CompiledModels:
         self.hidden_size = spec.hidden_size
         self.deepstack_layers = spec.vision.deepstack_layers
         self.runtime_properties = {
-            key: str(self.language.get_property(key))
+            key: _text(self.language.get_property(key))
             for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS")
         }
+
+
+def _text(value: Any) -> str:
+    """OpenVINO property values as short text (element types as 'bf16', 'u8', ...)."""
+    return str(value.to_string()) if hasattr(value, "to_string") else str(value)
 
 
 class Slot:

@@ -1,0 +1,73 @@
+"""Engine latency on one image: TTFT and time per output token (no daemon).
+
+    python bench/engine_latency.py MODEL_DIR [--runs 3] [--new-tokens 64] [--size 448]
+
+Prints per-run figures and medians. The image is a generated 448x448 scene (196 image
+tokens with the real Qwen3-VL-2B geometry); generation ignores eos so every run decodes
+the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from qvld.config import Config, EngineConfig, ModelConfig
+from qvld.engine import Engine, GenerateRequest
+
+
+def scene(size: int) -> bytes:
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32)
+    img = np.stack([255 * x / size, 255 * y / size, 128 + 100 * np.sin((x + y) / 23)], -1)
+    img += rng.normal(0, 8, img.shape)
+    buf = io.BytesIO()
+    Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--size", type=int, default=448)
+    parser.add_argument("--set", action="append", default=[], metavar="engine.KEY=VALUE")
+    args = parser.parse_args(argv)
+
+    t0 = time.perf_counter()
+    engine = Engine(Config(model=ModelConfig(path=args.model),
+                           engine=EngineConfig(infer_requests=1)))
+    print(f"load+compile {time.perf_counter() - t0:.1f} s; runtime {engine.models.runtime_properties}")
+    image = scene(args.size)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "Describe this image."}]}]
+    t0 = time.perf_counter()
+    engine.warmup()
+    engine.generate(GenerateRequest(messages=messages, max_tokens=2, temperature=0.0))
+    print(f"warm-up {time.perf_counter() - t0:.1f} s")
+    rows = []
+    for run in range(args.runs):
+        result = engine.generate(GenerateRequest(messages=messages, max_tokens=args.new_tokens,
+                                                 temperature=0.0, ignore_eos=True))
+        t = result.timings
+        per_token = t.decode_s / max(result.usage.completion_tokens - 1, 1)
+        rows.append((t.image_s, t.prefill_s, t.ttft_s, per_token))
+        print(f"run {run}: prompt {result.usage.prompt_tokens} tok "
+              f"(image {result.usage.image_tokens}), image {t.image_s:.2f} s, "
+              f"prefill {t.prefill_s:.2f} s, TTFT {t.ttft_s:.2f} s, "
+              f"{per_token * 1000:.1f} ms/token over {result.usage.completion_tokens} tokens")
+    med = [statistics.median(col) for col in zip(*rows)]
+    print(f"median: image {med[0]:.2f} s, prefill {med[1]:.2f} s, TTFT {med[2]:.2f} s, "
+          f"{med[3] * 1000:.1f} ms/token")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,204 @@
+"""`qvlctl`: ask qvld questions about images, and look at the daemon.
+
+Exit codes: 0 ok; 1 internal error; 2 usage; 3 no daemon answers on the socket;
+4 the request was refused (bad_request, image_invalid, image_too_large,
+prompt_too_long, frame_too_large, unsupported_version); 5 busy or unavailable (retry
+later; also `health` when not ready); 6 timeout; 7 forbidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from qvlctl import render
+from qvlctl.client import Client, ConnectFailed, default_socket
+from qvld.errors import QvlError
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NO_DAEMON = 0, 1, 2, 3
+EXIT_REFUSED, EXIT_RETRY, EXIT_TIMEOUT, EXIT_FORBIDDEN = 4, 5, 6, 7
+EXIT_BY_CODE = {
+    "bad_request": EXIT_REFUSED, "image_invalid": EXIT_REFUSED,
+    "image_too_large": EXIT_REFUSED, "prompt_too_long": EXIT_REFUSED,
+    "frame_too_large": EXIT_REFUSED, "unsupported_version": EXIT_REFUSED,
+    "busy": EXIT_RETRY, "unavailable": EXIT_RETRY, "timeout": EXIT_TIMEOUT,
+    "forbidden": EXIT_FORBIDDEN,
+}
+
+
+class UsageError(Exception):
+    pass
+
+
+def read_image(name: str, base: Path | None = None) -> bytes:
+    if name == "-":
+        return sys.stdin.buffer.read()
+    path = Path(name)
+    if base is not None and not path.is_absolute():
+        path = base / path
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read image {path}: {exc.strerror or exc}") from exc
+
+
+def messages_from_file(path: Path) -> list[dict[str, Any]]:
+    """A JSON array of messages; image parts name files relative to the JSON file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read messages from {path}: {exc}") from exc
+    if not isinstance(data, list):
+        raise UsageError(f"{path}: expected a JSON array of messages")
+    out = []
+    for message in data:
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            content = []
+            for part in message["content"]:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    if not isinstance(part.get("image"), str):
+                        raise UsageError(f"{path}: an image part needs a file name")
+                    part = {"type": "image", "image": read_image(part["image"], path.parent)}
+                content.append(part)
+            message = {**message, "content": content}
+        out.append(message)
+    return out
+
+
+def ask_params(args: argparse.Namespace) -> dict[str, Any]:
+    if args.messages is not None:
+        if args.args:
+            raise UsageError("--messages takes no IMAGE or QUESTION arguments")
+        messages = messages_from_file(args.messages)
+    else:
+        if not args.args:
+            raise UsageError("ask needs a QUESTION (after any IMAGE files) or --messages FILE")
+        *images, question = args.args
+        content: list[dict[str, Any]] = [{"type": "image", "image": read_image(i)}
+                                         for i in images]
+        content.append({"type": "text", "text": question})
+        messages = []
+        if args.system:
+            messages.append({"role": "system", "content": args.system})
+        messages.append({"role": "user", "content": content})
+    params: dict[str, Any] = {"messages": messages}
+    for key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "session",
+                "max_image_tokens", "repetition_penalty", "presence_penalty"):
+        value = getattr(args, key)
+        if value is not None:
+            params[key] = value
+    if args.stop:
+        params["stop"] = args.stop
+    return params
+
+
+def cmd_ask(client: Client, args: argparse.Namespace) -> int:
+    params = ask_params(args)
+    if args.json:
+        result = client.generate(params)
+        json.dump(result, sys.stdout, ensure_ascii=False)
+        sys.stdout.write("\n")
+        return EXIT_OK
+
+    def show(text: str, ids: list[int]) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = client.generate(params, on_token=show)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(render.timings_line(result), file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_health(client: Client, args: argparse.Namespace) -> int:
+    health = client.health()
+    if args.json:
+        print(json.dumps(health))
+    else:
+        print(health.get("state", "unknown"))
+    return EXIT_OK if health.get("ready") else EXIT_RETRY
+
+
+def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    status = client.status()
+    print(json.dumps(status, indent=2) if args.json else render.key_values(status))
+    return EXIT_OK
+
+
+def cmd_config(client: Client, args: argparse.Namespace) -> int:
+    config = client.config()
+    print(json.dumps(config, indent=2) if args.json else render.key_values(config))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qvlctl", description="Query and manage the qvld vision-language daemon.",
+        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--socket", default=default_socket(),
+                        help="daemon socket (default: $QVLD_SOCKET or /run/qvld/qvld.sock)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds to wait for the daemon (default: no limit)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ask = sub.add_parser("ask", help="ask a question, optionally about images",
+                         usage="qvlctl ask [IMAGE ...] QUESTION [options]\n"
+                               "       qvlctl ask --messages FILE.json [options]")
+    ask.add_argument("args", nargs="*", metavar="IMAGE... QUESTION",
+                     help="image files ('-' reads stdin), then the question")
+    ask.add_argument("--messages", type=Path, help="a JSON array of messages instead")
+    ask.add_argument("--system", help="a system prompt")
+    ask.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    ask.add_argument("--max-tokens", dest="max_tokens", type=int)
+    ask.add_argument("--temperature", type=float, help="0 = greedy")
+    ask.add_argument("--top-p", dest="top_p", type=float)
+    ask.add_argument("--top-k", dest="top_k", type=int)
+    ask.add_argument("--repetition-penalty", dest="repetition_penalty", type=float)
+    ask.add_argument("--presence-penalty", dest="presence_penalty", type=float)
+    ask.add_argument("--seed", type=int)
+    ask.add_argument("--stop", action="append", help="stop string (repeatable)")
+    ask.add_argument("--session", help="session id for multi-turn reuse")
+    ask.add_argument("--max-image-tokens", dest="max_image_tokens", type=int)
+    ask.set_defaults(func=cmd_ask)
+
+    for name, func, text in (("health", cmd_health, "daemon state; exit 0 only when ready"),
+                             ("status", cmd_status, "daemon and model status"),
+                             ("config", cmd_config, "the daemon's effective configuration")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        with Client(args.socket, timeout=args.timeout) as client:
+            return int(args.func(client, args))
+    except UsageError as exc:
+        print(f"qvlctl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConnectFailed as exc:
+        print(f"qvlctl: {exc.strerror}", file=sys.stderr)
+        return EXIT_NO_DAEMON
+    except QvlError as exc:
+        print(f"qvlctl: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_BY_CODE.get(exc.code, EXIT_INTERNAL)
+    except TimeoutError:
+        print("qvlctl: timeout: the daemon did not answer in time", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except (ConnectionError, OSError) as exc:
+        print(f"qvlctl: connection lost: {exc}", file=sys.stderr)
+        return EXIT_NO_DAEMON
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

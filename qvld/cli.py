@@ -1,0 +1,84 @@
+"""`qvld`: run the daemon in the foreground, or check its configuration."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from qvld import __version__
+from qvld.config import Config, ConfigError, default_config_path, load_config
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qvld",
+        description="Qwen3-VL vision-language daemon (foreground, logs to stderr).",
+        epilog="exit codes: 0 ok, 1 runtime failure, 2 usage, 78 configuration or model "
+               "directory invalid",
+    )
+    parser.add_argument("command", nargs="?", default="run", choices=["run", "check-config"],
+                        help="run (default) or check-config")
+    parser.add_argument("--config", type=Path,
+                        help="YAML config (default: $QVLD_CONFIG, else /etc/qvld/qvld.yaml "
+                             "if it exists, else built-in defaults)")
+    parser.add_argument("--model", type=Path, help="model directory (= --set model.path=DIR)")
+    parser.add_argument("--socket", type=Path, help="socket path (= --set server.socket=P)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key, e.g. engine.threads=4")
+    parser.add_argument("--version", action="version", version=f"qvld {__version__}")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    overrides = list(args.overrides)
+    if args.model is not None:
+        overrides.append(f"model.path={args.model}")
+    if args.socket is not None:
+        overrides.append(f"server.socket={args.socket}")
+    path = args.config if args.config is not None else default_config_path()
+    return load_config(path, overrides)
+
+
+def check_config(config: Config) -> int:
+    from qvld.engine.model_dir import load_model_spec
+    from qvld.errors import ModelInvalid
+
+    if config.model.path is None:
+        print("qvld: configuration is valid, but model.path is not set", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        spec = load_model_spec(config.model.path)
+    except ModelInvalid as exc:
+        print(f"qvld: model: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"configuration is valid; model {spec.name} at {spec.path}")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = resolve_config(args)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"qvld: config: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.command == "check-config":
+        return check_config(config)
+    from qvld.app import App, setup_logging
+
+    setup_logging(config)
+    if config.model.path is None:
+        print("qvld: model.path is not set (--model DIR or model.path in the config)",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    return asyncio.run(App(config).run())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""Op name -> function: validate params, call the engine, return plain data."""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import openvino
+
+from qvld import __version__, protocol
+from qvld.config import Config
+from qvld.engine import Engine, GenerateRequest
+from qvld.errors import BadRequest, Forbidden, Unavailable, UnsupportedVersion
+from qvld.server import RequestContext
+
+GENERATE_PARAMS = {
+    "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
+    "presence_penalty", "seed", "stop", "session", "stream", "deadline_s", "ignore_eos",
+    "max_image_tokens",
+}
+
+
+@dataclass
+class DaemonState:
+    """What the handlers report on: set by the app as it starts, reloads and stops."""
+
+    config: Config
+    state: str = "loading"  # loading | ready | reloading | draining
+    engine: Engine | None = None
+    started: float = field(default_factory=time.monotonic)
+    requests_total: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and self.engine is not None
+
+    def require_engine(self) -> Engine:
+        if self.engine is None or self.state in ("loading", "draining"):
+            raise Unavailable(f"the daemon is {self.state}")
+        return self.engine
+
+
+def _int(params: dict[str, Any], key: str) -> int | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"{key} must be an integer")
+    return value
+
+
+def _number(params: dict[str, Any], key: str) -> float | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise BadRequest(f"{key} must be a number")
+    return float(value)
+
+
+def _bool(params: dict[str, Any], key: str) -> bool:
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false")
+    return value
+
+
+def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
+    """``generate`` params -> an engine request and whether to stream."""
+    unknown = set(params) - GENERATE_PARAMS
+    if unknown:
+        name = sorted(unknown)[0]
+        close = difflib.get_close_matches(name, sorted(GENERATE_PARAMS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise BadRequest(f"unknown generate param {name!r}{hint}")
+    stop = params.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest("stop must be a list of strings")
+    if len(stop) > protocol.MAX_STOP_STRINGS or any(
+            len(s.encode()) > protocol.MAX_STOP_BYTES for s in stop):
+        raise BadRequest(f"at most {protocol.MAX_STOP_STRINGS} stop strings of at most "
+                         f"{protocol.MAX_STOP_BYTES} bytes")
+    session = params.get("session")
+    if session is not None and (not isinstance(session, str)
+                                or not protocol.SESSION_ID.fullmatch(session)):
+        raise BadRequest("session must be 1-128 characters of [A-Za-z0-9._-]")
+    seed = _int(params, "seed")
+    request = GenerateRequest(
+        messages=params.get("messages"),  # type: ignore[arg-type]  # the engine checks it
+        max_tokens=_int(params, "max_tokens"),
+        temperature=_number(params, "temperature"),
+        top_p=_number(params, "top_p"),
+        top_k=_int(params, "top_k"),
+        repetition_penalty=_number(params, "repetition_penalty"),
+        presence_penalty=_number(params, "presence_penalty") or 0.0,
+        seed=seed,
+        stop=stop,
+        ignore_eos=_bool(params, "ignore_eos"),
+        max_image_tokens=_int(params, "max_image_tokens"),
+    )
+    if seed is not None and not 0 <= seed < 2 ** 63:
+        raise BadRequest("seed must be within [0, 2^63)")
+    return request, _bool(params, "stream")
+
+
+class Handlers:
+    def __init__(self, state: DaemonState, executor: ThreadPoolExecutor,
+                 in_flight: Callable[[], int] | None = None) -> None:
+        self.state = state
+        self.executor = executor
+        self.in_flight = in_flight
+        self.ops = {
+            "hello": self.hello,
+            "health": self.health,
+            "status": self.status,
+            "config": self.config,
+            "generate": self.generate,
+            "cancel": self.cancel,
+        }
+
+    async def __call__(self, ctx: RequestContext) -> Any:
+        handler = self.ops.get(ctx.request.op)
+        if handler is None:
+            raise BadRequest(f"op {ctx.request.op!r} is not available in this version")
+        self.state.requests_total += 1
+        return await handler(ctx)
+
+    def limits(self) -> dict[str, Any]:
+        cfg = self.state.config
+        return {
+            "max_frame_bytes": cfg.server.max_frame_bytes,
+            "max_images": cfg.engine.max_images,
+            "max_image_tokens": cfg.engine.max_image_tokens,
+            "max_new_tokens": cfg.engine.max_new_tokens,
+            "max_context_tokens": cfg.engine.max_context_tokens,
+            "max_stop_strings": protocol.MAX_STOP_STRINGS,
+        }
+
+    def model_name(self) -> str | None:
+        engine = self.state.engine
+        return None if engine is None else engine.spec.name
+
+    async def hello(self, ctx: RequestContext) -> dict[str, Any]:
+        version = ctx.request.params.get("v", protocol.PROTOCOL_VERSION)
+        if version != protocol.PROTOCOL_VERSION:
+            raise UnsupportedVersion(f"protocol v{version} is not spoken here; "
+                                     f"this daemon speaks v{protocol.PROTOCOL_VERSION}")
+        return {"v": protocol.PROTOCOL_VERSION, "server_version": __version__,
+                "model": self.model_name(), "limits": self.limits()}
+
+    async def health(self, ctx: RequestContext) -> dict[str, Any]:
+        return {"state": self.state.state, "ready": self.state.ready}
+
+    async def status(self, ctx: RequestContext) -> dict[str, Any]:
+        state = self.state
+        engine = state.engine
+        result: dict[str, Any] = {
+            "state": state.state,
+            "ready": state.ready,
+            "version": __version__,
+            "openvino": openvino.__version__,
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - state.started, 3),
+            "requests_total": state.requests_total,
+            "model": None,
+        }
+        if self.in_flight is not None:
+            result["requests_in_flight"] = self.in_flight()
+        if engine is not None:
+            result["model"] = {
+                "name": engine.spec.name,
+                "path": str(engine.spec.path),
+                "load_s": round(engine.load_s, 3),
+                "runtime": engine.models.runtime_properties,
+                "infer_requests": len(engine.pool.slots),
+                "max_context_tokens": engine.max_context,
+            }
+        return result
+
+    async def config(self, ctx: RequestContext) -> dict[str, Any]:
+        # No key holds a secret today; this is where masking goes when one does.
+        return self.state.config.model_dump(mode="json")
+
+    async def generate(self, ctx: RequestContext) -> dict[str, Any]:
+        engine = self.state.require_engine()
+        request, stream = parse_generate(ctx.request.params)
+        request.should_stop = ctx.cancelled.is_set
+        rid = ctx.request.id
+
+        def on_token(text: str, ids: list[int]) -> None:
+            ctx.send_event(protocol.token_event(rid, text, ids))
+
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(
+            self.executor, lambda: engine.generate(request, on_token if stream else None))
+        return result.to_dict()
+
+    async def cancel(self, ctx: RequestContext) -> dict[str, Any]:
+        target = _int(ctx.request.params, "target")
+        if target is None:
+            raise BadRequest("cancel needs params.target, the id of a request in flight")
+        victim = ctx.connection.in_flight.get(target)
+        if victim is None:
+            return {"cancelled": False}
+        if victim.peer.uid != ctx.peer.uid:
+            raise Forbidden("that request belongs to another user")
+        victim.cancelled.set()
+        return {"cancelled": True}

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qvld.config import Config, ConfigError, iter_keys, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "etc" / "qvld" / "qvld.yaml"
+
+
+def test_every_key_has_a_default() -> None:
+    config = Config()
+    assert config.engine.infer_requests == 4
+    assert config.server.socket == Path("/run/qvld/qvld.sock")
+    assert config.server.socket_mode_bits == 0o660
+    assert config.metrics.listen == "127.0.0.1:9464"
+
+
+def test_shipped_file_documents_every_key_with_its_default() -> None:
+    assert load_config(SHIPPED) == Config()
+    raw = yaml.safe_load(SHIPPED.read_text())
+    flat = {f"{section}.{key}" for section, keys in raw.items() for key in keys}
+    assert flat == set(iter_keys())
+    for line in SHIPPED.read_text().splitlines():
+        if ":" in line and line.startswith("  ") and not line.strip().startswith("#"):
+            assert "#" in line, f"undocumented: {line}"
+
+
+def test_overrides_are_typed_like_their_keys() -> None:
+    config = load_config(None, [
+        "engine.threads=4", "engine.threads=auto", "server.socket_mode=0600",
+        "server.allow_uids=[1000, 1001]", "metrics.listen=", "model.cache_dir=",
+        "model.warmup=false", "server.read_timeout_s=2.5", "model.path=/models/x",
+    ])
+    assert config.engine.threads == "auto"
+    assert config.server.socket_mode == "0600"
+    assert config.server.allow_uids == [1000, 1001]
+    assert config.metrics.listen is None
+    assert config.model.cache_dir is None
+    assert config.model.warmup is False
+    assert config.server.read_timeout_s == 2.5
+    assert config.model.path == Path("/models/x")
+
+
+def test_all_errors_are_reported_at_once_with_did_you_mean(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  precison: f32\nengine:\n  threads: many\n  infer_requests: 0\n"
+                    "server:\n  socket_mode: 0660\nmetrics:\n  listen: nohost\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["enigne.threads=2", "engine.max_images=x"])
+    errors = info.value.errors
+    assert len(errors) == 7
+    text = "\n".join(errors)
+    assert "model.precison: unknown key (did you mean 'precision'?)" in text
+    assert "unknown section 'enigne' (did you mean 'engine'?)" in text
+    assert "engine.threads:" in text and "'auto'" in text
+    assert "engine.infer_requests:" in text
+    assert 'server.socket_mode: write the mode as a quoted octal string' in text
+    assert "metrics.listen: 'nohost' is not HOST:PORT" in text
+    assert "engine.max_images:" in text
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "model: [", "model:\n  path: 1\n  path: 2\n"])
+def test_unreadable_files_are_config_errors(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    try:
+        load_config(path)
+    except ConfigError as exc:
+        assert exc.errors
+    else:
+        assert text.count("path") == 2  # YAML lets a repeated key win; that is valid
+
+
+def test_cross_key_rules() -> None:
+    with pytest.raises(ConfigError, match="default_max_tokens"):
+        load_config(None, ["engine.default_max_tokens=600"])
+
+
+def qvld(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qvld.cli", *args], capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_qvld_exits_78_with_every_message(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("engine:\n  treads: 2\nlogging:\n  level: loud\n")
+    for command in (["check-config"], []):
+        out = qvld(*command, "--config", str(path), "--set", "server.max_connections=-1")
+        assert out.returncode == 78
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 3, out.stderr
+        assert any("did you mean 'threads'" in line for line in lines)
+        assert any("logging.level" in line for line in lines)
+        assert any("server.max_connections" in line for line in lines)
+
+
+def test_check_config_validates_the_model_dir(tmp_path: Path, tiny_dir: Path) -> None:
+    empty = tmp_path / "c.yaml"
+    empty.write_text("")
+    ok = qvld("check-config", "--config", str(empty), "--model", str(tiny_dir))
+    assert ok.returncode == 0 and "valid" in ok.stdout
+    missing = qvld("check-config", "--config", str(empty), "--model", str(tmp_path / "none"))
+    assert missing.returncode == 78 and "does not exist" in missing.stderr
+    unset = qvld("check-config", "--config", str(empty))
+    assert unset.returncode == 78
+    assert qvld("--bogus").returncode == 2
