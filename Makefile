@@ -36,7 +36,7 @@ test-reference: $(CONVERT)
 	$(PYTEST) -m reference
 
 lint: $(BASE)
-	$(BIN)/ruff check qvld qvlctl tests tools
+	$(BIN)/ruff check qvld qvlctl tests tools bench
 	$(BIN)/mypy
 
 # Rebuild the committed tiny model and its transformers reference (deterministic).

@@ -38,13 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--size", type=int, default=448)
-    parser.add_argument("--set", action="append", default=[], metavar="engine.KEY=VALUE")
     args = parser.parse_args(argv)
 
     t0 = time.perf_counter()
     engine = Engine(Config(model=ModelConfig(path=args.model),
                            engine=EngineConfig(infer_requests=1)))
-    print(f"load+compile {time.perf_counter() - t0:.1f} s; runtime {engine.models.runtime_properties}")
+    print(f"load+compile {time.perf_counter() - t0:.1f} s; "
+          f"runtime {engine.models.runtime_properties}")
     image = scene(args.size)
     messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                              {"type": "text", "text": "Describe this image."}]}]
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(image {result.usage.image_tokens}), image {t.image_s:.2f} s, "
               f"prefill {t.prefill_s:.2f} s, TTFT {t.ttft_s:.2f} s, "
               f"{per_token * 1000:.1f} ms/token over {result.usage.completion_tokens} tokens")
-    med = [statistics.median(col) for col in zip(*rows)]
+    med = [statistics.median(col) for col in zip(*rows, strict=True)]
     print(f"median: image {med[0]:.2f} s, prefill {med[1]:.2f} s, TTFT {med[2]:.2f} s, "
           f"{med[3] * 1000:.1f} ms/token")
     return 0
