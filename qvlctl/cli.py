@@ -136,6 +136,22 @@ def cmd_config(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_reload(client: Client, args: argparse.Namespace) -> int:
+    result = client.reload()
+    if args.json:
+        print(json.dumps(result))
+    elif result.get("reloaded"):
+        print(f"reloaded: serving {result.get('model')}")
+        for key in result.get("restart_required", []):
+            print(f"note: {key} changed; it takes effect after a restart", file=sys.stderr)
+    if not result.get("reloaded"):
+        if not args.json:
+            print(f"qvlctl: reload failed; still serving the previous model: "
+                  f"{result.get('error')}", file=sys.stderr)
+        return EXIT_INTERNAL
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qvlctl", description="Query and manage the qvld vision-language daemon.",
@@ -168,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, text in (("health", cmd_health, "daemon state; exit 0 only when ready"),
                              ("status", cmd_status, "daemon and model status"),
-                             ("config", cmd_config, "the daemon's effective configuration")):
+                             ("config", cmd_config, "the daemon's effective configuration"),
+                             ("reload", cmd_reload,
+                              "reload config and model (admin); the old one serves on "
+                              "failure")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)

@@ -127,6 +127,9 @@ class Client:
     def config(self) -> dict[str, Any]:
         return dict(self.call("config"))
 
+    def reload(self) -> dict[str, Any]:
+        return dict(self.call("reload"))
+
     def generate(self, params: dict[str, Any],
                  on_token: TokenHandler | None = None) -> dict[str, Any]:
         """Run ``generate``; with ``on_token`` the answer streams into it."""

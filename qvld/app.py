@@ -1,32 +1,39 @@
-"""Composition root: ordered start-up, signals, reverse teardown.
+"""Composition root: ordered start-up, signals, reload, reverse teardown.
 
 Start: listen (so `health` answers while loading) -> load and warm the model -> ready.
-Stop (SIGTERM/SIGINT): stop accepting, cancel and finish in-flight work, close.
-Signal handlers only record; the loop acts.
+SIGHUP: load the new config and model beside the old one, swap only on success.
+SIGTERM (or a first SIGINT): stop accepting, let admitted work finish within
+`server.drain_timeout_s`, cancel the rest, close. A second SIGINT cancels at once.
+Signal handlers only record and wake the loop; the loop acts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
-from qvld.config import Config
+from qvld.config import Config, load_config
 from qvld.engine import Engine
-from qvld.errors import ModelInvalid
+from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
-from qvld.server import Server, SocketInUse
+from qvld.scheduler import Scheduler
+from qvld.server import AccessPolicy, Server, SocketInUse
 from qvld.systemd import Notifier, listen_fds
 
 log = logging.getLogger("qvld")
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 78
+RESTART_KEYS = ("server.socket", "server.socket_mode")
 
 
 class _JsonFormatter(logging.Formatter):
@@ -49,76 +56,222 @@ def setup_logging(config: Config) -> None:
     root.propagate = False
 
 
+def _changed(old: Config, new: Config, key: str) -> bool:
+    section, name = key.split(".")
+    return bool(getattr(getattr(old, section), name) != getattr(getattr(new, section), name))
+
+
 class App:
-    def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
+    def __init__(self, config: Config, config_path: Path | None = None,
+                 overrides: list[str] | None = None, notifier: Notifier | None = None) -> None:
         self.config = config
+        self.config_path = config_path
+        self.overrides = list(overrides or [])
         self.notifier = notifier or Notifier()
         self.state = DaemonState(config)
-        self._stop: asyncio.Event | None = None
-        self.exit_signal: int | None = None
+        self.scheduler = Scheduler(config.engine.infer_requests, config.server.queue_max,
+                                   config.engine.kv_cache_mb << 20 or None)
+        self.server: Server | None = None
+        self._wake = asyncio.Event()
+        self._signals: list[int] = []
+        self._reload_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- signals: record and wake ---------------------------------------------------
 
     def _on_signal(self, signum: int) -> None:
-        self.exit_signal = signum
-        if self._stop is not None:
-            self._stop.set()
+        self._signals.append(signum)
+        self._wake.set()
 
-    def _load_engine(self) -> Engine:
+    # -- model ----------------------------------------------------------------------
+
+    def _load_engine(self, config: Config) -> Engine:
         t0 = time.perf_counter()
-        engine = Engine(self.config)
+        engine = Engine(config)
         log.info("model %s compiled in %.1f s (%s)", engine.spec.path, engine.load_s,
                  ", ".join(f"{k}={v}" for k, v in engine.models.runtime_properties.items()))
-        if self.config.model.warmup:
+        if config.model.warmup:
             self.notifier.status("warming up")
             engine.warmup()
         log.info("model ready in %.1f s", time.perf_counter() - t0)
         return engine
 
+    async def _extend_start_timeout(self) -> None:
+        """Keep systemd's start timeout ahead of a cold compile."""
+        while True:
+            self.notifier.notify("EXTEND_TIMEOUT_USEC=30000000")
+            await asyncio.sleep(10)
+
+    async def reload(self) -> dict[str, Any]:
+        """Reload config and model beside the old ones; swap only if both are good."""
+        if self._reload_lock.locked():
+            raise Unavailable("a reload is already running")
+        async with self._reload_lock:
+            previous = self.state.state
+            self.state.state = "reloading"
+            now_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+            self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={now_usec}")
+            log.info("reloading configuration and model")
+            try:
+                config = load_config(self.config_path, self.overrides)
+                engine = await asyncio.get_running_loop().run_in_executor(
+                    None, self._load_engine, config)
+            except Exception as exc:
+                reason = "; ".join(getattr(exc, "errors", [])) or str(exc)
+                log.error("reload failed, still serving the previous model: %s", reason)
+                self.state.state = previous
+                self.notifier.ready("reload failed; serving the previous model")
+                return {"reloaded": False, "error": reason}
+            restart = [key for key in RESTART_KEYS if _changed(self.config, config, key)]
+            for key in restart:
+                log.warning("%s changed: it takes effect only after a restart", key)
+            keep = {"socket": self.config.server.socket,
+                    "socket_mode": self.config.server.socket_mode}
+            self.config = config.model_copy(update={
+                "server": config.server.model_copy(update=keep)})
+            self.state.config = self.config
+            self.state.engine = engine  # running jobs finish on the engine they started on
+            self.scheduler.queue_max = config.server.queue_max
+            self.scheduler.kv_budget_bytes = config.engine.kv_cache_mb << 20 or None
+            if self.server is not None:
+                self.server.config = self.config.server
+                self.server.policy = AccessPolicy(self.config.server)
+            setup_logging(self.config)
+            self.state.state = "ready"
+            self.notifier.ready(f"ready: {engine.spec.name}")
+            log.info("reload done: serving %s", engine.spec.path)
+            return {"reloaded": True, "model": engine.spec.name, "restart_required": restart}
+
+    # -- watchdog -------------------------------------------------------------------
+
+    def _infer_stuck(self, bound_s: float) -> bool:
+        engine = self.state.engine
+        if engine is None:
+            return False
+        now = time.monotonic()
+        return any(slot.busy_since is not None and now - slot.busy_since > bound_s
+                   for slot in engine.pool.slots)
+
+    async def _watchdog(self, interval_s: float) -> None:
+        """WATCHDOG=1 only while this loop runs and no infer call overran its bound."""
+        while True:
+            await asyncio.sleep(interval_s / 2)
+            if self._infer_stuck(interval_s):
+                log.error("an inference call has run longer than %.0f s; "
+                          "withholding the watchdog ping", interval_s)
+                continue
+            self.notifier.notify("WATCHDOG=1")
+
+    # -- life cycle -----------------------------------------------------------------
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(signum, self._on_signal, signum)
-        executor = ThreadPoolExecutor(max_workers=self.config.engine.infer_requests,
-                                      thread_name_prefix="qvld-engine")
-        server: Server | None = None
+        background: list[asyncio.Task[None]] = []
+        prepare = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qvld-prepare")
+        policy = AccessPolicy(self.config.server)
+        handlers = Handlers(self.state, self.scheduler, prepare,
+                            in_flight=lambda: self.scheduler.running + self.scheduler.waiting,
+                            is_admin=lambda peer: self.server is not None
+                            and self.server.policy.is_admin(peer),
+                            reload=self.reload)
+        self.server = Server(self.config.server, handlers, policy)
         try:
-            handlers = Handlers(self.state, executor, in_flight=lambda: sum(
-                len(c.in_flight) for c in server.connections) if server else 0)
-            server = Server(self.config.server, handlers)
             fds = listen_fds()
             sock = socket.socket(fileno=fds[0]) if fds else None
             try:
-                await server.start(sock)
+                await self.server.start(sock)
             except (SocketInUse, OSError) as exc:
                 log.error("cannot listen: %s", exc)
                 return EXIT_FAILURE
-            log.info("listening on %s%s", server.address, " (socket activation)" if fds else "")
+            log.info("listening on %s%s", self.server.address,
+                     " (socket activation)" if fds else "")
+            if self.notifier.enabled:
+                background.append(asyncio.create_task(self._extend_start_timeout()))
             self.notifier.status("loading model")
-            load: asyncio.Future[Engine] = loop.run_in_executor(None, self._load_engine)
-            stop: asyncio.Future[Any] = asyncio.ensure_future(self._stop.wait())
-            await asyncio.wait([load, stop], return_when=asyncio.FIRST_COMPLETED)
-            if not load.done():
-                log.info("stopping before the model finished loading")
-                stop.cancel()
-                return EXIT_OK
-            try:
-                self.state.engine = load.result()
-            except ModelInvalid as exc:
-                log.error("model: %s", exc)
-                return EXIT_CONFIG
-            except Exception:
-                log.exception("the model failed to load")
-                return EXIT_FAILURE
+            code = await self._start_engine(loop)
+            for task in background:
+                task.cancel()
+            background.clear()
+            if code is not None:
+                return code
             self.state.state = "ready"
+            assert self.state.engine is not None
             self.notifier.ready(f"ready: {self.state.engine.spec.name}")
             log.info("ready")
-            await stop
-            log.info("received %s: stopping", signal.Signals(self.exit_signal or 15).name)
-            self.state.state = "draining"
-            self.notifier.notify("STOPPING=1")
-            return EXIT_OK
+            watchdog_usec = os.environ.get("WATCHDOG_USEC")
+            if watchdog_usec and os.environ.get("WATCHDOG_PID", str(os.getpid())) == str(
+                    os.getpid()):
+                background.append(asyncio.create_task(
+                    self._watchdog(int(watchdog_usec) / 1e6)))
+            return await self._serve_until_stopped()
         finally:
-            if server is not None:
-                await server.close()
-            executor.shutdown(wait=True, cancel_futures=True)
+            for task in background:
+                task.cancel()
+            await self._shutdown()
+            prepare.shutdown(wait=False, cancel_futures=True)
             self.notifier.close()
+
+    async def _start_engine(self, loop: asyncio.AbstractEventLoop) -> int | None:
+        """Load the model; an exit code if the daemon must not go on."""
+        load: asyncio.Future[Engine] = loop.run_in_executor(None, self._load_engine,
+                                                             self.config)
+        while not load.done():
+            self._wake.clear()
+            waiter: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
+            await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if any(s in (signal.SIGTERM, signal.SIGINT) for s in self._signals):
+                log.info("stopping before the model finished loading")
+                return EXIT_OK
+        try:
+            self.state.engine = load.result()
+        except ModelInvalid as exc:
+            log.error("model: %s", exc)
+            return EXIT_CONFIG
+        except Exception:
+            log.exception("the model failed to load")
+            return EXIT_FAILURE
+        return None
+
+    async def _serve_until_stopped(self) -> int:
+        while True:
+            while self._signals:
+                signum = self._signals.pop(0)
+                if signum == signal.SIGHUP:
+                    if not self._reload_lock.locked():
+                        task = asyncio.create_task(self.reload())
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
+                    continue
+                log.info("received %s: draining", signal.Signals(signum).name)
+                await self._drain()
+                return EXIT_OK
+            await self._wake.wait()
+            self._wake.clear()
+
+    async def _drain(self) -> None:
+        self.state.state = "draining"
+        self.notifier.notify("STOPPING=1", "STATUS=draining")
+        assert self.server is not None
+        await self.server.stop_accepting()
+        timeout = self.config.server.drain_timeout_s
+        deadline = time.monotonic() + timeout
+        while self.scheduler.jobs() and time.monotonic() < deadline:
+            if signal.SIGINT in self._signals:  # a second SIGINT: no more waiting
+                log.info("second SIGINT: cancelling at once")
+                break
+            await asyncio.sleep(0.02)
+        left = self.scheduler.cancel_all()
+        if left:
+            log.info("cancelled %d request(s) still running after the drain", left)
+            await self.scheduler.drain(10)
+
+    async def _shutdown(self) -> None:
+        """Reverse of start: no new work, workers stop, connections close."""
+        self.scheduler.close()
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.sleep(0.05)  # let the last replies reach their sockets
+                await self.server.close()

@@ -34,14 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_config(args: argparse.Namespace) -> Config:
+def config_source(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
+    """The config file and the overrides, as a reload re-reads them."""
     overrides = list(args.overrides)
     if args.model is not None:
         overrides.append(f"model.path={args.model}")
     if args.socket is not None:
         overrides.append(f"server.socket={args.socket}")
     path = args.config if args.config is not None else default_config_path()
-    return load_config(path, overrides)
+    return path, overrides
 
 
 def check_config(config: Config) -> int:
@@ -62,8 +63,9 @@ def check_config(config: Config) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    path, overrides = config_source(args)
     try:
-        config = resolve_config(args)
+        config = load_config(path, overrides)
     except ConfigError as exc:
         for line in exc.errors:
             print(f"qvld: config: {line}", file=sys.stderr)
@@ -77,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("qvld: model.path is not set (--model DIR or model.path in the config)",
               file=sys.stderr)
         return EXIT_CONFIG
-    return asyncio.run(App(config).run())
+    return asyncio.run(App(config, path, overrides).run())
 
 
 if __name__ == "__main__":

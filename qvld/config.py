@@ -79,6 +79,8 @@ class ServerConfig(_Section):
     socket_mode: str = "0660"
     max_frame_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     max_connections: int = Field(256, ge=1)
+    # A client whose unread replies pass this is cut off and its generations cancelled.
+    send_buffer_bytes: int = Field(1024 * 1024, ge=4096)
     read_timeout_s: float = Field(30, gt=0)
     queue_max: int = Field(32, ge=0)
     request_timeout_s: float = Field(300, gt=0)

@@ -6,7 +6,7 @@ import asyncio
 import difflib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +17,8 @@ from qvld import __version__, protocol
 from qvld.config import Config
 from qvld.engine import Engine, GenerateRequest
 from qvld.errors import BadRequest, Forbidden, Unavailable, UnsupportedVersion
-from qvld.server import RequestContext
+from qvld.scheduler import Job, Scheduler
+from qvld.server import Peer, RequestContext
 
 GENERATE_PARAMS = {
     "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
@@ -112,11 +113,17 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
 
 
 class Handlers:
-    def __init__(self, state: DaemonState, executor: ThreadPoolExecutor,
-                 in_flight: Callable[[], int] | None = None) -> None:
+    def __init__(self, state: DaemonState, scheduler: Scheduler,
+                 prepare_executor: ThreadPoolExecutor,
+                 in_flight: Callable[[], int] | None = None,
+                 is_admin: Callable[[Peer], bool] | None = None,
+                 reload: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
         self.state = state
-        self.executor = executor
+        self.scheduler = scheduler
+        self.prepare_executor = prepare_executor
         self.in_flight = in_flight
+        self.is_admin = is_admin or (lambda peer: peer.uid == 0)
+        self._reload = reload
         self.ops = {
             "hello": self.hello,
             "health": self.health,
@@ -124,6 +131,7 @@ class Handlers:
             "config": self.config,
             "generate": self.generate,
             "cancel": self.cancel,
+            "reload": self.reload,
         }
 
     async def __call__(self, ctx: RequestContext) -> Any:
@@ -192,15 +200,30 @@ class Handlers:
     async def generate(self, ctx: RequestContext) -> dict[str, Any]:
         engine = self.state.require_engine()
         request, stream = parse_generate(ctx.request.params)
-        request.should_stop = ctx.cancelled.is_set
+        limit = self.state.config.server.request_timeout_s
+        deadline_s = _number(ctx.request.params, "deadline_s")
+        if deadline_s is not None and deadline_s <= 0:
+            raise BadRequest("deadline_s must be > 0")
+        timeout = min(deadline_s or limit, limit)
+        job_deadline = time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(self.prepare_executor, engine.prepare, request)
         rid = ctx.request.id
 
         def on_token(text: str, ids: list[int]) -> None:
             ctx.send_event(protocol.token_event(rid, text, ids))
 
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(
-            self.executor, lambda: engine.generate(request, on_token if stream else None))
+        job = Job(uid=ctx.peer.uid, deadline=job_deadline, cancelled=ctx.cancelled,
+                  kv_bytes=engine.kv_bytes(prepared.max_total_tokens),
+                  run=lambda job: engine.run(prepared, on_token if stream else None))
+        request.should_stop = job.should_stop
+        ctx.on_cancel.append(lambda: self.scheduler.cancel(job))
+        if ctx.cancelled.is_set():  # the client left while the request was prepared
+            self.scheduler.cancel(job)
+        result = await self.scheduler.submit(job)
+        if job.started is not None:
+            result.timings.queue_s = round(job.started - job.enqueued, 6)
+            result.timings.total_s += result.timings.queue_s
         return result.to_dict()
 
     async def cancel(self, ctx: RequestContext) -> dict[str, Any]:
@@ -210,7 +233,12 @@ class Handlers:
         victim = ctx.connection.in_flight.get(target)
         if victim is None:
             return {"cancelled": False}
-        if victim.peer.uid != ctx.peer.uid:
-            raise Forbidden("that request belongs to another user")
-        victim.cancelled.set()
+        victim.cancel()
         return {"cancelled": True}
+
+    async def reload(self, ctx: RequestContext) -> dict[str, Any]:
+        if not self.is_admin(ctx.peer):
+            raise Forbidden("reload is an admin op (root or a member of server.admin_groups)")
+        if self._reload is None:
+            raise Unavailable("reload is not available")
+        return await self._reload()

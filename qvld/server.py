@@ -96,6 +96,12 @@ class RequestContext:
     peer: Peer
     connection: Connection
     cancelled: threading.Event = field(default_factory=threading.Event)
+    on_cancel: list[Callable[[], None]] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        for callback in self.on_cancel:
+            callback()
 
     def send_event(self, message: dict[str, Any]) -> None:
         """Thread-safe: queue a frame for this request's connection."""
@@ -109,8 +115,9 @@ class Connection:
     ids = itertools.count(1)
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 peer: Peer) -> None:
+                 peer: Peer, send_buffer_bytes: int = 1 << 20) -> None:
         self.number = next(self.ids)
+        self.send_buffer_bytes = send_buffer_bytes
         self.reader = reader
         self.writer = writer
         self.peer = peer
@@ -122,13 +129,20 @@ class Connection:
         if self.closed or self.writer.is_closing():
             return
         self.writer.write(protocol.pack(message))
+        if self.writer.transport.get_write_buffer_size() > self.send_buffer_bytes:
+            # Never let one client's unread stream grow without bound or stall others.
+            log.warning("connection %d (uid %d): client is not reading; cutting it off",
+                        self.number, self.peer.uid)
+            self.closed = True
+            self.cancel_all()
+            self.writer.transport.abort()
 
     def send_threadsafe(self, message: dict[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self.send, message)
 
     def cancel_all(self) -> None:
-        for ctx in self.in_flight.values():
-            ctx.cancelled.set()
+        for ctx in list(self.in_flight.values()):
+            ctx.cancel()
 
 
 class Server:
@@ -207,7 +221,10 @@ class Server:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         peer = Peer.of(sock)
-        conn = Connection(reader, writer, peer)
+        # The kernel's share of the send buffer is bounded too (see Connection.send).
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.send_buffer_bytes)
+        conn = Connection(reader, writer, peer, self.config.send_buffer_bytes)
         try:
             if len(self.connections) >= self.config.max_connections:
                 await self._refuse(conn, Busy("too many connections; retry later"))

@@ -138,3 +138,74 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     proc = Daemon(tmp_path_factory.mktemp("qvld")).start()
     yield proc
     assert proc.stop() == 0, proc.log()
+
+
+# A stdlib-only client run as another user: the other uid needs nothing of this
+# checkout. It sends the given frames, then prints "<wall time> <reply hex>" for every
+# frame it receives until `finals` non-event replies have come (or the line closes).
+OTHER_UID_CLIENT = """
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(60)
+s.connect(sys.argv[1])
+finals = int(sys.argv[2])
+for frame in sys.argv[3:]:
+    s.sendall(bytes.fromhex(frame))
+buf = b""
+while finals > 0:
+    while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
+        chunk = s.recv(65536)
+        if not chunk:
+            sys.exit(0)
+        buf += chunk
+    n = 4 + int.from_bytes(buf[:4], "big")
+    frame, buf = buf[:n], buf[n:]
+    print(time.time(), frame[4:].hex(), flush=True)
+    if b"event" not in frame:
+        finals -= 1
+"""
+NOBODY = 65534
+
+
+def run_as(uid: int, socket_path: Path, messages: list[dict[str, Any]], finals: int = 1,
+           extra_groups: list[int] | None = None, wait: bool = True,
+           ) -> subprocess.Popen[bytes] | list[tuple[float, dict[str, Any]]]:
+    """Send ``messages`` as ``uid``; the replies with their arrival times (or the process)."""
+    import shutil
+
+    from qvld import protocol
+
+    python = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
+    frames = [protocol.pack(m).hex() for m in messages]
+    proc = subprocess.Popen([python, "-c", OTHER_UID_CLIENT, str(socket_path), str(finals),
+                             *frames], user=uid, group=uid, extra_groups=extra_groups or [],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
+                            env={"PATH": "/usr/bin:/bin"})
+    if not wait:
+        return proc
+    return read_replies(proc)
+
+
+def read_replies(proc: subprocess.Popen[bytes]) -> list[tuple[float, dict[str, Any]]]:
+    from qvld import protocol
+
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    replies = []
+    for line in out.decode().split("\n"):
+        if line.strip():
+            stamp, payload = line.split()
+            replies.append((float(stamp), dict(protocol.unpack(bytes.fromhex(payload)))))
+    return replies
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory another user can reach (pytest's tmp_path is private to root)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="qvld-test-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,22 @@ from qvld.engine.vision import encode_image
 from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
 
 _ROLES = {"system", "user", "assistant"}
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, tokenised, its images decoded: ready for a slot."""
+
+    request: GenerateRequest
+    params: SamplingParams
+    max_tokens: int
+    ids: list[int]
+    images: list[PreparedImage]
+    prepare_s: float
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.ids) + self.max_tokens
 
 
 def _never() -> bool:
@@ -123,10 +141,18 @@ class Engine:
         ids = expand_image_pads(ids, self.spec.image_token_id, [p.tokens for p in prepared])
         return ids, prepared
 
-    def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage]) -> Prompt:
-        """Encode the images on ``slot`` and lay out embeddings, masks and positions."""
+    def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage],
+                 should_stop: Callable[[], bool] = _never) -> Prompt | None:
+        """Encode the images on ``slot`` and lay out embeddings, masks and positions.
+
+        None when ``should_stop`` fired between images (cancellation acts there too).
+        """
         hidden, k = self.spec.hidden_size, self.spec.vision.deepstack_layers
-        encoded = [encode_image(slot, image, self.spec.vision) for image in images]
+        encoded = []
+        for image in images:
+            if should_stop():
+                return None
+            encoded.append(encode_image(slot, image, self.spec.vision))
         positions, delta = mrope_positions(ids, self.spec.image_token_id,
                                            [image.merged_grid for image in images])
         visual_mask = np.asarray(ids) == self.spec.image_token_id
@@ -149,8 +175,11 @@ class Engine:
             keys=keys,
         )
 
-    def generate(self, request: GenerateRequest,
-                 on_token: TokenCallback | None = None) -> GenerateResult:
+    def prepare(self, request: GenerateRequest) -> PreparedRequest:
+        """Everything before inference: validate, template, tokenise, decode images.
+
+        Raises the typed error for bad input; cheap enough to run before admission.
+        """
         t0 = time.perf_counter()
         params = self.sampling_params(request)
         max_tokens = self._max_tokens(request)
@@ -158,27 +187,40 @@ class Engine:
         if len(ids) + 1 > self.max_context:
             raise PromptTooLong(f"the prompt has {len(ids)} tokens; the context holds "
                                 f"{self.max_context} including at least one generated token")
-        image_s = time.perf_counter() - t0
-        sampler = Sampler(params, ids, self.spec.vocab_size)
+        return PreparedRequest(request=request, params=params, max_tokens=max_tokens, ids=ids,
+                               images=images, prepare_s=time.perf_counter() - t0)
+
+    def kv_bytes(self, tokens: int) -> int:
+        """KV-cache memory ``tokens`` positions take at the runtime's KV precision."""
+        return tokens * self.models.kv_bytes_per_token
+
+    def run(self, prepared: PreparedRequest,
+            on_token: TokenCallback | None = None) -> GenerateResult:
+        """Inference for a prepared request on a free slot (blocks until one is free)."""
+        t0 = time.perf_counter()
+        request = prepared.request
+        should_stop = request.should_stop or _never
+        sampler = Sampler(prepared.params, prepared.ids, self.spec.vocab_size)
         eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
         with self.pool.acquire() as slot:
             t_vision = time.perf_counter()
-            prompt = self.assemble(slot, ids, images)
-            image_s += time.perf_counter() - t_vision
+            prompt = self.assemble(slot, prepared.ids, prepared.images, should_stop)
+            image_s = prepared.prepare_s + time.perf_counter() - t_vision
+            if prompt is None:
+                return self._cancelled(prepared, t0, image_s)
             cached = self._reuse(slot, prompt)
             t_generate = time.perf_counter()
             outcome = run_generation(
                 slot, prompt, self.tokenizer, sampler,
-                max_tokens=max_tokens,
+                max_tokens=prepared.max_tokens,
                 max_context=self.max_context,
                 eos_ids=eos,
                 stops=StopStrings(request.stop),
                 chunk=self.config.engine.prefill_chunk,
                 cached=cached,
                 on_token=on_token,
-                should_stop=request.should_stop or _never,
+                should_stop=should_stop,
             )
-        total = time.perf_counter() - t0
         return GenerateResult(
             text=outcome.text,
             token_ids=outcome.token_ids,
@@ -192,11 +234,24 @@ class Engine:
             timings=Timings(
                 image_s=image_s,
                 prefill_s=outcome.prefill_s,
-                ttft_s=(t_generate - t0) + outcome.ttft_s,
+                ttft_s=prepared.prepare_s + (t_generate - t0) + outcome.ttft_s,
                 decode_s=outcome.decode_s,
-                total_s=total,
+                total_s=prepared.prepare_s + time.perf_counter() - t0,
             ),
         )
+
+    def _cancelled(self, prepared: PreparedRequest, t0: float, image_s: float) -> GenerateResult:
+        total = prepared.prepare_s + time.perf_counter() - t0
+        return GenerateResult(
+            text="", token_ids=[], finish_reason="cancelled",
+            usage=Usage(prompt_tokens=len(prepared.ids),
+                        image_tokens=sum(i.tokens for i in prepared.images)),
+            timings=Timings(image_s=image_s, total_s=total))
+
+    def generate(self, request: GenerateRequest,
+                 on_token: TokenCallback | None = None) -> GenerateResult:
+        """``prepare`` then ``run``: one blocking generation."""
+        return self.run(self.prepare(request), on_token)
 
     def _reuse(self, slot: Slot, prompt: Prompt) -> int:
         """Rows of ``prompt`` already in the slot's KV cache (0: start afresh)."""

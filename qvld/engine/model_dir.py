@@ -50,6 +50,9 @@ class ModelSpec:
     path: Path
     name: str
     hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
     vocab_size: int
     max_position_embeddings: int
     image_token_id: int
@@ -162,6 +165,10 @@ def load_model_spec(path: Path) -> ModelSpec:
             path=path,
             name=str(config.get("_name_or_path") or path.name),
             hidden_size=int(text["hidden_size"]),
+            num_layers=int(text["num_hidden_layers"]),
+            num_kv_heads=int(text.get("num_key_value_heads") or text["num_attention_heads"]),
+            head_dim=int(text.get("head_dim")
+                         or int(text["hidden_size"]) // int(text["num_attention_heads"])),
             vocab_size=int(text["vocab_size"]),
             max_position_embeddings=int(text["max_position_embeddings"]),
             image_token_id=int(config["image_token_id"]),

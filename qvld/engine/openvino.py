@@ -8,6 +8,7 @@ that one generation owns everything it runs on; the ``SlotPool`` holds
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -90,6 +91,10 @@ class CompiledModels:
             raise ModelInvalid(f"OpenVINO cannot load {spec.path}: {exc}") from exc
         self.hidden_size = spec.hidden_size
         self.deepstack_layers = spec.vision.deepstack_layers
+        kv_type = self.language.get_property("KV_CACHE_PRECISION")
+        kv_bytes = max(1, (kv_type.bitwidth + 7) // 8) if hasattr(kv_type, "bitwidth") else 2
+        # keys and values, every layer, every KV head.
+        self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_bytes
         self.runtime_properties = {
             key: _text(self.language.get_property(key))
             for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS")
@@ -114,6 +119,15 @@ class Slot:
         self.past_len = 0
         # (token id, image hash or None) per position held in the KV cache.
         self.history: list[tuple[int, bytes | None]] = []
+        # When the infer call now running started (the watchdog looks at it).
+        self.busy_since: float | None = None
+
+    def _infer(self, request: Any, inputs: dict[str, Any]) -> Any:
+        self.busy_since = time.monotonic()
+        try:
+            return request.infer(inputs, share_inputs=True)
+        finally:
+            self.busy_since = None
 
     def reset(self) -> None:
         self._lm.reset_state()
@@ -121,7 +135,7 @@ class Slot:
         self.history = []
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        out = self._embed.infer({"input": ids.reshape(1, -1).astype(np.int64)})
+        out = self._infer(self._embed, {"input": ids.reshape(1, -1).astype(np.int64)})
         return np.array(out[0][0])  # copy: the request's buffer is reused
 
     def step(self, embeds: np.ndarray, positions: np.ndarray, visual_mask: np.ndarray,
@@ -140,7 +154,7 @@ class Slot:
             "deepstack_visual_embeds": deepstack,
             "beam_idx": np.zeros(1, dtype=np.int32),
         }
-        out = self._lm.infer(inputs, share_inputs=True)
+        out = self._infer(self._lm, inputs)
         self.past_len += seq
         logits = out[0]
         return np.array(logits[0, -1], dtype=np.float32)
@@ -149,16 +163,15 @@ class Slot:
         return np.zeros((self._models.deepstack_layers, 1, self._models.hidden_size), np.float32)
 
     def vision_patches(self, patches: np.ndarray) -> np.ndarray:
-        return np.array(self._vision.infer({"hidden_states": patches}, share_inputs=True)[0])
+        return np.array(self._infer(self._vision, {"hidden_states": patches})[0])
 
     def vision_positions(self, corner_ids: np.ndarray) -> np.ndarray:
-        return np.array(self._vision_pos.infer({"input": corner_ids}, share_inputs=True)[0])
+        return np.array(self._infer(self._vision_pos, {"input": corner_ids})[0])
 
     def vision_merge(self, hidden: np.ndarray, mask: np.ndarray,
                      rotary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        out = self._merger.infer(
-            {"hidden_states": hidden, "attention_mask": mask, "rotary_pos_emb": rotary},
-            share_inputs=True)
+        out = self._infer(self._merger, {"hidden_states": hidden, "attention_mask": mask,
+                                         "rotary_pos_emb": rotary})
         return np.array(out[0]), np.array(out[1])
 
 
