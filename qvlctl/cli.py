@@ -85,14 +85,9 @@ def ask_params(args: argparse.Namespace) -> dict[str, Any]:
         if args.system:
             messages.append({"role": "system", "content": args.system})
         messages.append({"role": "user", "content": content})
-    params: dict[str, Any] = {"messages": messages}
-    for key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "session",
-                "max_image_tokens", "repetition_penalty", "presence_penalty"):
-        value = getattr(args, key)
-        if value is not None:
-            params[key] = value
-    if args.stop:
-        params["stop"] = args.stop
+    params: dict[str, Any] = {"messages": messages, **sampling_params(args)}
+    if args.session is not None:
+        params["session"] = args.session
     return params
 
 
@@ -136,6 +131,39 @@ def cmd_config(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "max_image_tokens",
+                "repetition_penalty", "presence_penalty"):
+        value = getattr(args, key, None)
+        if value is not None:
+            params[key] = value
+    if getattr(args, "stop", None):
+        params["stop"] = args.stop
+    return params
+
+
+def cmd_chat(client: Client, args: argparse.Namespace) -> int:
+    from qvlctl.chat import Chat
+
+    images = [read_image(name) for name in args.images]
+    return Chat(client, sampling_params(args), images, args.system,
+                session=args.session).loop()
+
+
+def cmd_sessions(client: Client, args: argparse.Namespace) -> int:
+    if args.close:
+        closed = client.close_session(args.close)
+        print("closed" if closed else "no such session")
+        return EXIT_OK if closed else EXIT_REFUSED
+    sessions = client.sessions(all_users=args.all)
+    if args.json:
+        print(json.dumps(sessions))
+        return EXIT_OK
+    print(render.table(sessions, ["id", "uid", "turns", "tokens", "images", "idle_s", "busy"]))
+    return EXIT_OK
+
+
 def cmd_reload(client: Client, args: argparse.Namespace) -> int:
     result = client.reload()
     if args.json:
@@ -162,25 +190,41 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for the daemon (default: no limit)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--max-tokens", dest="max_tokens", type=int)
+    sampling.add_argument("--temperature", type=float, help="0 = greedy")
+    sampling.add_argument("--top-p", dest="top_p", type=float)
+    sampling.add_argument("--top-k", dest="top_k", type=int)
+    sampling.add_argument("--repetition-penalty", dest="repetition_penalty", type=float)
+    sampling.add_argument("--presence-penalty", dest="presence_penalty", type=float)
+    sampling.add_argument("--seed", type=int)
+    sampling.add_argument("--stop", action="append", help="stop string (repeatable)")
+    sampling.add_argument("--max-image-tokens", dest="max_image_tokens", type=int)
+    sampling.add_argument("--system", help="a system prompt")
+    sampling.add_argument("--session", help="session id for multi-turn reuse")
+
     ask = sub.add_parser("ask", help="ask a question, optionally about images",
+                         parents=[sampling],
                          usage="qvlctl ask [IMAGE ...] QUESTION [options]\n"
                                "       qvlctl ask --messages FILE.json [options]")
     ask.add_argument("args", nargs="*", metavar="IMAGE... QUESTION",
                      help="image files ('-' reads stdin), then the question")
     ask.add_argument("--messages", type=Path, help="a JSON array of messages instead")
-    ask.add_argument("--system", help="a system prompt")
     ask.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    ask.add_argument("--max-tokens", dest="max_tokens", type=int)
-    ask.add_argument("--temperature", type=float, help="0 = greedy")
-    ask.add_argument("--top-p", dest="top_p", type=float)
-    ask.add_argument("--top-k", dest="top_k", type=int)
-    ask.add_argument("--repetition-penalty", dest="repetition_penalty", type=float)
-    ask.add_argument("--presence-penalty", dest="presence_penalty", type=float)
-    ask.add_argument("--seed", type=int)
-    ask.add_argument("--stop", action="append", help="stop string (repeatable)")
-    ask.add_argument("--session", help="session id for multi-turn reuse")
-    ask.add_argument("--max-image-tokens", dest="max_image_tokens", type=int)
     ask.set_defaults(func=cmd_ask)
+
+    chat = sub.add_parser("chat", parents=[sampling],
+                          help="a conversation about images, kept as a daemon session "
+                               "(/image PATH, /reset, /quit)")
+    chat.add_argument("images", nargs="*", metavar="IMAGE",
+                      help="images for the first message")
+    chat.set_defaults(func=cmd_chat)
+
+    sessions = sub.add_parser("sessions", help="list your sessions, or close one")
+    sessions.add_argument("--close", metavar="ID", help="close this session")
+    sessions.add_argument("--all", action="store_true", help="everyone's (admin)")
+    sessions.add_argument("--json", action="store_true")
+    sessions.set_defaults(func=cmd_sessions)
 
     for name, func, text in (("health", cmd_health, "daemon state; exit 0 only when ready"),
                              ("status", cmd_status, "daemon and model status"),

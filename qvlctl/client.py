@@ -127,6 +127,12 @@ class Client:
     def config(self) -> dict[str, Any]:
         return dict(self.call("config"))
 
+    def sessions(self, all_users: bool = False) -> list[dict[str, Any]]:
+        return list(self.call("sessions", {"action": "list", "all": all_users})["sessions"])
+
+    def close_session(self, sid: str) -> bool:
+        return bool(self.call("sessions", {"action": "close", "id": sid})["closed"])
+
     def reload(self) -> dict[str, Any]:
         return dict(self.call("reload"))
 

@@ -39,3 +39,14 @@ def key_values(data: dict[str, Any], indent: int = 0) -> str:
                                                if isinstance(value, list) else value)
             lines.append(f"{pad}{str(key) + ':':<{width + 1}} {shown}")
     return "\n".join(lines)
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """Rows as an aligned text table (a header, then one line per row)."""
+    if not rows:
+        return "(none)"
+    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)

@@ -106,6 +106,7 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
         stop=stop,
         ignore_eos=_bool(params, "ignore_eos"),
         max_image_tokens=_int(params, "max_image_tokens"),
+        session=session,
     )
     if seed is not None and not 0 <= seed < 2 ** 63:
         raise BadRequest("seed must be within [0, 2^63)")
@@ -132,6 +133,7 @@ class Handlers:
             "generate": self.generate,
             "cancel": self.cancel,
             "reload": self.reload,
+            "sessions": self.sessions,
         }
 
     async def __call__(self, ctx: RequestContext) -> Any:
@@ -200,6 +202,7 @@ class Handlers:
     async def generate(self, ctx: RequestContext) -> dict[str, Any]:
         engine = self.state.require_engine()
         request, stream = parse_generate(ctx.request.params)
+        request.uid = ctx.peer.uid
         limit = self.state.config.server.request_timeout_s
         deadline_s = _number(ctx.request.params, "deadline_s")
         if deadline_s is not None and deadline_s <= 0:
@@ -235,6 +238,24 @@ class Handlers:
             return {"cancelled": False}
         victim.cancel()
         return {"cancelled": True}
+
+    async def sessions(self, ctx: RequestContext) -> dict[str, Any]:
+        """List your sessions (an admin may list everyone's with all: true), or close one."""
+        engine = self.state.require_engine()
+        params = ctx.request.params
+        action = params.get("action", "list")
+        admin = self.is_admin(ctx.peer)
+        if action == "list":
+            everyone = _bool(params, "all")
+            if everyone and not admin:
+                raise Forbidden("listing every user's sessions is an admin op")
+            return {"sessions": engine.sessions.list(None if everyone else ctx.peer.uid)}
+        if action == "close":
+            sid = params.get("id")
+            if not isinstance(sid, str):
+                raise BadRequest("sessions close needs params.id")
+            return {"closed": engine.sessions.close(sid, ctx.peer.uid, admin)}
+        raise BadRequest("sessions action must be 'list' or 'close'")
 
     async def reload(self, ctx: RequestContext) -> dict[str, Any]:
         if not self.is_admin(ctx.peer):

@@ -147,6 +147,48 @@ IMAGE_CASES: list[dict[str, Any]] = [
 ]
 
 
+# Multi-turn sessions: each turn's messages are only the new ones; the daemon appends
+# them to the exact token history (prompt + generated ids) of the turns before.
+SESSION_CASES: list[dict[str, Any]] = [
+    {
+        "name": "session_text",
+        "turns": [
+            {"messages": [{"role": "user", "content": "What colours are there?"}],
+             "max_new_tokens": 12},
+            {"messages": [{"role": "user", "content": "And the shapes?"}],
+             "max_new_tokens": 12},
+            {"messages": [{"role": "user", "content": "Thanks. Grüße!"}],
+             "max_new_tokens": 8},
+        ],
+    },
+    {
+        "name": "session_image_follow_up",
+        "turns": [
+            {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                          {"role": "user", "content": [
+                              {"type": "image", "image": "photo.png"},
+                              {"type": "text", "text": "What is in this picture?"}]}],
+             "max_new_tokens": 12},
+            {"messages": [{"role": "user", "content": "Describe it in more detail."}],
+             "max_new_tokens": 12},
+        ],
+    },
+    {
+        "name": "session_new_image",
+        "turns": [
+            {"messages": [{"role": "user", "content": [
+                {"type": "image", "image": "small.png"},
+                {"type": "text", "text": "What is this?"}]}], "max_new_tokens": 10},
+            {"messages": [{"role": "user", "content": [
+                {"type": "image", "image": "gray.png"},
+                {"type": "text", "text": "And this one?"}]}], "max_new_tokens": 10},
+        ],
+    },
+]
+
+HISTORY_MARKER = "\x00qvld-history\x00"
+
+
 def _scene(height: int, width: int, seed: int) -> Any:
     """A smooth RGB scene (gradients, discs, a little noise): compresses well, not flat."""
     import numpy as np
@@ -271,11 +313,57 @@ def _with_images(messages: list[dict[str, Any]], folder: Path) -> list[dict[str,
     return out
 
 
+def session_reference(processor: Any, model: Any, case: dict[str, Any],
+                      images: Path) -> dict[str, Any]:
+    """Greedy ids per turn, transformers on the exact sequence: history (prompt and
+    generated ids) + the template's continuation for the new messages."""
+    import torch
+
+    tokenizer = processor.tokenizer
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    history: list[int] = []
+    pixel_values: list[Any] = []
+    grids: list[Any] = []
+    turns = []
+    for turn in case["turns"]:
+        messages = _with_images(turn["messages"], images)
+        if history:
+            marker = {"role": "assistant", "content": [{"type": "text", "text": HISTORY_MARKER}]}
+            text = processor.apply_chat_template([marker, *messages], tokenize=False,
+                                                 add_generation_prompt=True)
+            text = text.split(HISTORY_MARKER, 1)[1]
+            closing = tokenizer.decode(history[-1:])
+            if history[-1] in eos_ids and text.startswith(closing):
+                text = text[len(closing):]
+        else:
+            text = processor.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
+        pictures = [p["image"] for m in messages if isinstance(m["content"], list)
+                    for p in m["content"] if p["type"] == "image"]
+        encoded = processor(text=[text], images=pictures or None, return_tensors="pt")
+        if pictures:
+            pixel_values.append(encoded["pixel_values"])
+            grids.append(encoded["image_grid_thw"])
+        input_ids = history + encoded["input_ids"][0].tolist()
+        inputs: dict[str, Any] = {"input_ids": torch.tensor([input_ids]),
+                                  "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long)}
+        if pixel_values:
+            inputs["pixel_values"] = torch.cat(pixel_values)
+            inputs["image_grid_thw"] = torch.cat(grids)
+        ref = generate_reference(model, inputs, turn["max_new_tokens"])
+        turns.append({**turn, **ref})
+        history = input_ids + ref["token_ids"]
+    return {"name": case["name"], "turns": turns}
+
+
 def write_reference(hf_dir: Path, out_dir: Path, preset: str) -> Path:
     import numpy as np
     import torch
     from transformers import Qwen3VLForConditionalGeneration
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     torch.manual_seed(0)
     processor = build_processor(hf_dir)
     model = Qwen3VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -292,6 +380,7 @@ def write_reference(hf_dir: Path, out_dir: Path, preset: str) -> Path:
         )
         ref = generate_reference(model, dict(inputs), case["max_new_tokens"])
         cases.append({**case, **ref})
+    sessions = [session_reference(processor, model, case, images) for case in SESSION_CASES]
     # The processor's pixel_values and grid per image, each processed on its own.
     pixels: dict[str, Any] = {}
     for name, file in IMAGES.items():
@@ -301,6 +390,6 @@ def write_reference(hf_dir: Path, out_dir: Path, preset: str) -> Path:
         pixels[f"{name}/grid_thw"] = out["image_grid_thw"][0]
     np.savez_compressed(out_dir / "reference_pixels.npz", **pixels)
     path = out_dir / "reference.json"
-    document = {"preset": preset, "images": IMAGES, "cases": cases}
+    document = {"preset": preset, "images": IMAGES, "cases": cases, "sessions": sessions}
     path.write_text(json.dumps(document, ensure_ascii=False, indent=1))
     return path

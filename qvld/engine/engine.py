@@ -10,15 +10,16 @@ from typing import Any
 import numpy as np
 
 from qvld.config import Config
+from qvld.engine.cache import ImageCache, Session, SessionStore
 from qvld.engine.generate import Prompt, mrope_positions, run_generation
-from qvld.engine.image import PixelBudget, PreparedImage, prepare
+from qvld.engine.image import PixelBudget, PreparedImage, image_digest, prepare
 from qvld.engine.model_dir import ModelSpec, load_model_spec
-from qvld.engine.openvino import CompiledModels, Slot, SlotPool
+from qvld.engine.openvino import CompiledModels, Slot, SlotPool, common_prefix
 from qvld.engine.prompt import ChatTemplate, TextTokenizer, expand_image_pads
 from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
 from qvld.engine.types import GenerateRequest, GenerateResult, Timings, TokenCallback, Usage
-from qvld.engine.vision import encode_image
-from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
+from qvld.engine.vision import ImageEmbedding, encode_image
+from qvld.errors import BadRequest, Busy, ModelInvalid, PromptTooLong
 
 _ROLES = {"system", "user", "assistant"}
 
@@ -33,10 +34,13 @@ class PreparedRequest:
     ids: list[int]
     images: list[PreparedImage]
     prepare_s: float
+    session: Session | None = None
+    session_turns: int = 0
+    history_tokens: int = 0
 
     @property
     def max_total_tokens(self) -> int:
-        return len(self.ids) + self.max_tokens
+        return self.history_tokens + len(self.ids) + self.max_tokens
 
 
 def _never() -> bool:
@@ -53,7 +57,10 @@ class Engine:
         self.tokenizer = TextTokenizer(config.model.path / "tokenizer.json")
         self.template = ChatTemplate(self.spec.chat_template, self.spec.special_tokens)
         self.models = CompiledModels(self.spec, config.model, config.engine)
-        self.pool = SlotPool(self.models, config.engine.infer_requests)
+        budget = (config.engine.kv_cache_mb << 20) // self.models.kv_bytes_per_token
+        self.pool = SlotPool(self.models, config.engine.infer_requests, budget_tokens=budget)
+        self.images = ImageCache(config.engine.image_cache_mb << 20)
+        self.sessions = SessionStore(config.engine.sessions_max, config.engine.session_ttl_s)
         self.max_context = min(config.engine.max_context_tokens,
                                self.spec.max_position_embeddings)
         self.load_s = time.perf_counter() - t0
@@ -130,65 +137,135 @@ class Engine:
             raise BadRequest("max_image_tokens must be >= 1")
         return PixelBudget.for_request(self.spec.vision, min(tokens, cfg.max_image_tokens))
 
+    def _prepare_images(self, request: GenerateRequest, images: list[bytes]
+                        ) -> list[PreparedImage]:
+        budget = self.image_budget(request)
+        limit = self.config.engine.max_decode_pixels
+        prepared = []
+        for data in images:
+            digest = image_digest(data, budget)
+            known = self.images.grid(digest) if digest in self.images else None
+            image = prepare(data, self.spec.vision, budget, limit, known_grid=known)
+            self.images.remember_grid(digest, (image.grid_h, image.grid_w))
+            prepared.append(image)
+        return prepared
+
     def tokenize(self, request: GenerateRequest) -> tuple[list[int], list[PreparedImage]]:
         """Template, tokenise, decode and patchify images; no inference yet."""
         shown, images = self._check_messages(request.messages)
         text = self.template.render(shown, add_generation_prompt=True)
-        ids = self.tokenizer.encode(text)
-        budget = self.image_budget(request)
-        limit = self.config.engine.max_decode_pixels
-        prepared = [prepare(data, self.spec.vision, budget, limit) for data in images]
-        ids = expand_image_pads(ids, self.spec.image_token_id, [p.tokens for p in prepared])
+        prepared = self._prepare_images(request, images)
+        ids = expand_image_pads(self.tokenizer.encode(text), self.spec.image_token_id,
+                                [p.tokens for p in prepared])
         return ids, prepared
 
-    def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage],
-                 should_stop: Callable[[], bool] = _never) -> Prompt | None:
-        """Encode the images on ``slot`` and lay out embeddings, masks and positions.
+    def tokenize_continuation(self, request: GenerateRequest, history: list[int]
+                              ) -> tuple[list[int], list[PreparedImage]]:
+        """The ids that follow a session's history: what the template renders after the
+        last assistant turn (closing it if generation did not) for the new messages."""
+        shown, images = self._check_messages(request.messages)
+        marker = "\x00qvld-history\x00"
+        text = self.template.render([{"role": "assistant", "content": marker}, *shown],
+                                    add_generation_prompt=True)
+        if marker not in text:
+            raise BadRequest("this model's chat template cannot continue a session")
+        continuation = text.split(marker, 1)[1]
+        closing = self.tokenizer.decode_special(history[-1:]) if history else ""
+        if closing and history[-1] in self.spec.generation.eos_token_ids and \
+                continuation.startswith(closing):
+            continuation = continuation[len(closing):]  # generation already closed the turn
+        prepared = self._prepare_images(request, images)
+        ids = expand_image_pads(self.tokenizer.encode(continuation), self.spec.image_token_id,
+                                [p.tokens for p in prepared])
+        return ids, prepared
 
-        None when ``should_stop`` fired between images (cancellation acts there too).
-        """
-        hidden, k = self.spec.hidden_size, self.spec.vision.deepstack_layers
-        encoded = []
-        for image in images:
-            if should_stop():
-                return None
-            encoded.append(encode_image(slot, image, self.spec.vision))
-        positions, delta = mrope_positions(ids, self.spec.image_token_id,
-                                           [image.merged_grid for image in images])
-        visual_mask = np.asarray(ids) == self.spec.image_token_id
+    def prompt_keys(self, ids: list[int], images: list[PreparedImage]
+                    ) -> list[tuple[int, bytes | None]]:
+        """(token id, image digest) per row: equal keys mean equal KV rows."""
         keys: list[tuple[int, bytes | None]] = [(t, None) for t in ids]
-        rows = np.flatnonzero(visual_mask)
+        rows = np.flatnonzero(np.asarray(ids) == self.spec.image_token_id)
         offset = 0
         for image in images:
             for row in rows[offset:offset + image.tokens]:
                 keys[row] = (ids[row], image.digest)
             offset += image.tokens
+        return keys
+
+    def embed_image(self, slot: Slot, image: PreparedImage) -> ImageEmbedding:
+        cached = self.images.get(image.digest)
+        if cached is not None:
+            return cached
+        if image.patches is None:  # evicted since it was prepared: decode again
+            image = prepare(image.data, self.spec.vision, image.budget,
+                            self.config.engine.max_decode_pixels)
+        embedding = encode_image(slot, image, self.spec.vision)
+        self.images.put(image.digest, embedding)
+        return embedding
+
+    def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage],
+                 should_stop: Callable[[], bool] = _never, cached: int = 0) -> Prompt | None:
+        """Lay out embeddings, masks and positions; encode the images on ``slot``.
+
+        Images entirely inside the first ``cached`` rows (already in the KV cache) are
+        not encoded. None when ``should_stop`` fired between images.
+        """
+        hidden, k = self.spec.hidden_size, self.spec.vision.deepstack_layers
+        visual_mask = np.asarray(ids) == self.spec.image_token_id
+        rows = np.flatnonzero(visual_mask)
+        embeds, deepstack = [], []
+        offset = 0
+        for image in images:
+            last_row = rows[offset + image.tokens - 1]
+            offset += image.tokens
+            if last_row < cached:
+                embeds.append(np.zeros((image.tokens, hidden), np.float32))
+                deepstack.append(np.zeros((k, image.tokens, hidden), np.float32))
+                continue
+            if should_stop():
+                return None
+            embedding = self.embed_image(slot, image)
+            embeds.append(embedding.embeds)
+            deepstack.append(embedding.deepstack)
+        positions, delta = mrope_positions(ids, self.spec.image_token_id,
+                                           [image.merged_grid for image in images])
         return Prompt(
             ids=ids,
             positions=positions,
             rope_delta=delta,
             visual_mask=visual_mask,
-            visual_embeds=np.concatenate([e.embeds for e in encoded]) if encoded
+            visual_embeds=np.concatenate(embeds) if embeds
             else np.zeros((0, hidden), np.float32),
-            deepstack=np.concatenate([e.deepstack for e in encoded], axis=1) if encoded
+            deepstack=np.concatenate(deepstack, axis=1) if deepstack
             else np.zeros((k, 0, hidden), np.float32),
-            keys=keys,
+            keys=self.prompt_keys(ids, images),
         )
 
     def prepare(self, request: GenerateRequest) -> PreparedRequest:
         """Everything before inference: validate, template, tokenise, decode images.
 
         Raises the typed error for bad input; cheap enough to run before admission.
+        With a session, the ids are the continuation of its history (joined in ``run``).
         """
         t0 = time.perf_counter()
         params = self.sampling_params(request)
         max_tokens = self._max_tokens(request)
-        ids, images = self.tokenize(request)
-        if len(ids) + 1 > self.max_context:
-            raise PromptTooLong(f"the prompt has {len(ids)} tokens; the context holds "
-                                f"{self.max_context} including at least one generated token")
+        session = None
+        history = 0
+        if request.session is not None:
+            session = self.sessions.open(request.session, request.uid)
+            history = len(session.ids)
+        if session is not None and session.ids:
+            ids, images = self.tokenize_continuation(request, session.ids)
+        else:
+            ids, images = self.tokenize(request)
+        if history + len(ids) + 1 > self.max_context:
+            raise PromptTooLong(f"the prompt has {history + len(ids)} tokens; the context "
+                                f"holds {self.max_context} including at least one generated "
+                                "token" + (" (start a new session)" if history else ""))
         return PreparedRequest(request=request, params=params, max_tokens=max_tokens, ids=ids,
-                               images=images, prepare_s=time.perf_counter() - t0)
+                               images=images, prepare_s=time.perf_counter() - t0,
+                               session=session, session_turns=session.turns if session else 0,
+                               history_tokens=history)
 
     def kv_bytes(self, tokens: int) -> int:
         """KV-cache memory ``tokens`` positions take at the runtime's KV precision."""
@@ -197,18 +274,41 @@ class Engine:
     def run(self, prepared: PreparedRequest,
             on_token: TokenCallback | None = None) -> GenerateResult:
         """Inference for a prepared request on a free slot (blocks until one is free)."""
+        session = prepared.session
+        if session is None:
+            return self._run(prepared, prepared.ids, prepared.images, on_token)
+        if not session.lock.acquire(blocking=False):
+            raise Busy(f"session {session.id!r} is answering another request")
+        try:
+            if session.turns != prepared.session_turns:
+                raise Busy(f"session {session.id!r} moved on since this request was "
+                           "prepared; retry")
+            ids = session.ids + prepared.ids
+            images = session.images + prepared.images
+            result = self._run(prepared, ids, images, on_token)
+            session.commit(ids + result.token_ids, images)
+            return result
+        finally:
+            session.lock.release()
+
+    def _run(self, prepared: PreparedRequest, ids: list[int], images: list[PreparedImage],
+             on_token: TokenCallback | None) -> GenerateResult:
         t0 = time.perf_counter()
         request = prepared.request
         should_stop = request.should_stop or _never
-        sampler = Sampler(prepared.params, prepared.ids, self.spec.vocab_size)
+        sampler = Sampler(prepared.params, ids, self.spec.vocab_size)
         eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
-        with self.pool.acquire() as slot:
+        keys = self.prompt_keys(ids, images)
+        with self.pool.acquire(keys) as slot:
+            # Reuse the longest prefix in the KV cache, but always feed the last prompt
+            # row: its logits give the first token.
+            cached = min(common_prefix(slot.history, keys), len(ids) - 1)
+            slot.trim(cached)
             t_vision = time.perf_counter()
-            prompt = self.assemble(slot, prepared.ids, prepared.images, should_stop)
+            prompt = self.assemble(slot, ids, images, should_stop, cached)
             image_s = prepared.prepare_s + time.perf_counter() - t_vision
             if prompt is None:
                 return self._cancelled(prepared, t0, image_s)
-            cached = self._reuse(slot, prompt)
             t_generate = time.perf_counter()
             outcome = run_generation(
                 slot, prompt, self.tokenizer, sampler,
@@ -252,11 +352,6 @@ class Engine:
                  on_token: TokenCallback | None = None) -> GenerateResult:
         """``prepare`` then ``run``: one blocking generation."""
         return self.run(self.prepare(request), on_token)
-
-    def _reuse(self, slot: Slot, prompt: Prompt) -> int:
-        """Rows of ``prompt`` already in the slot's KV cache (0: start afresh)."""
-        slot.reset()
-        return 0
 
     def warmup(self) -> None:
         """One short generation: the first inference after compile is several times slower."""

@@ -42,11 +42,15 @@ class PixelBudget:
 
 @dataclass(frozen=True)
 class PreparedImage:
-    patches: np.ndarray  # [grid_h*grid_w, 3*T*P*P] float32, merge-block order
+    # [grid_h*grid_w, 3*T*P*P] float32 in merge-block order; None when the embedding
+    # cache already holds this image (decoding was skipped; ``data`` can redo it).
+    patches: np.ndarray | None
     grid_h: int  # in patches
     grid_w: int
     merge_size: int
-    digest: bytes  # content + preprocessing identity, for caches
+    digest: bytes  # content + pixel budget: the identity caches use
+    data: bytes
+    budget: PixelBudget
 
     @property
     def tokens(self) -> int:
@@ -143,8 +147,19 @@ def patchify(chw: np.ndarray, vision: VisionSpec) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(gh * gw, c * t * p * p))
 
 
-def prepare(data: bytes, vision: VisionSpec, budget: PixelBudget,
-            max_decode_pixels: int) -> PreparedImage:
+def image_digest(data: bytes, budget: PixelBudget) -> bytes:
+    """Same bytes under the same budget give the same patches: one identity for both."""
+    content = hashlib.sha256(data).digest()
+    return hashlib.sha256(content + f"{budget.min_pixels}:{budget.max_pixels}".encode()).digest()
+
+
+def prepare(data: bytes, vision: VisionSpec, budget: PixelBudget, max_decode_pixels: int,
+            known_grid: tuple[int, int] | None = None) -> PreparedImage:
+    """Decode and patchify; with ``known_grid`` (a cached image) skip the decoding."""
+    digest = image_digest(data, budget)
+    if known_grid is not None:
+        return PreparedImage(None, known_grid[0], known_grid[1], vision.merge_size, digest,
+                             data, budget)
     image = decode(data, max_decode_pixels)
     factor = vision.patch_size * vision.merge_size
     height, width = smart_resize(image.height, image.width, factor,
@@ -152,11 +167,12 @@ def prepare(data: bytes, vision: VisionSpec, budget: PixelBudget,
     if (height, width) != (image.height, image.width):
         image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
     chw = normalize(np.asarray(image, dtype=np.uint8), vision)
-    digest = hashlib.sha256(data).digest() + f"{height}x{width}".encode()
     return PreparedImage(
         patches=patchify(chw, vision),
         grid_h=height // vision.patch_size,
         grid_w=width // vision.patch_size,
         merge_size=vision.merge_size,
-        digest=hashlib.sha256(digest).digest(),
+        digest=digest,
+        data=data,
+        budget=budget,
     )

@@ -7,7 +7,7 @@ that one generation owns everything it runs on; the ``SlotPool`` holds
 
 from __future__ import annotations
 
-import queue
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -101,6 +101,24 @@ class CompiledModels:
         }
 
 
+def _sequence_axis(shape: Any, length: int) -> int:
+    """The KV state's sequence axis: [batch, kv_heads, seq, head_dim] in these exports."""
+    if len(shape) == 4 and shape[2] == length:
+        return 2
+    matches = [i for i, n in enumerate(shape) if n == length]
+    if not matches:
+        raise RuntimeError(f"no axis of length {length} in a KV state of shape {shape}")
+    return matches[-1]
+
+
+def common_prefix(a: list[Any], b: list[Any]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def _text(value: Any) -> str:
     """OpenVINO property values as short text (element types as 'bf16', 'u8', ...)."""
     return str(value.to_string()) if hasattr(value, "to_string") else str(value)
@@ -133,6 +151,21 @@ class Slot:
         self._lm.reset_state()
         self.past_len = 0
         self.history = []
+
+    def trim(self, keep: int) -> None:
+        """Keep the first ``keep`` positions of the KV state (as GenAI's trim_kv_cache)."""
+        if keep <= 0:
+            self.reset()
+            return
+        if keep < self.past_len:
+            for state in self._lm.query_state():
+                data = state.state.data
+                axis = _sequence_axis(data.shape, self.past_len)
+                index = [slice(None)] * data.ndim
+                index[axis] = slice(0, keep)
+                state.state = ov.Tensor(np.ascontiguousarray(data[tuple(index)]))
+            self.past_len = keep
+        del self.history[keep:]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         out = self._infer(self._embed, {"input": ids.reshape(1, -1).astype(np.int64)})
@@ -176,19 +209,49 @@ class Slot:
 
 
 class SlotPool:
-    def __init__(self, models: CompiledModels, size: int) -> None:
+    """Infer requests with their KV states, shared as a prefix cache.
+
+    ``acquire(keys)`` hands out the free slot whose history shares the longest prefix
+    with ``keys`` (the least recently used one when none does, so that recent caches
+    survive); retained KV states beyond ``budget_tokens`` are evicted LRU.
+    """
+
+    def __init__(self, models: CompiledModels, size: int, budget_tokens: int | None = None
+                 ) -> None:
         self.slots = [Slot(models) for _ in range(size)]
-        self._free: queue.Queue[Slot] = queue.Queue()
-        for slot in self.slots:
-            self._free.put(slot)
+        self.budget_tokens = budget_tokens
+        self._free: list[Slot] = list(self.slots)  # least recently used first
+        self._cond = threading.Condition()
 
     @contextmanager
-    def acquire(self) -> Iterator[Slot]:
-        slot = self._free.get()
+    def acquire(self, keys: list[tuple[int, bytes | None]] | None = None) -> Iterator[Slot]:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            best = max(range(len(self._free)),
+                       key=lambda i: (common_prefix(self._free[i].history, keys or []), -i))
+            slot = self._free.pop(best)
         try:
             yield slot
         except BaseException:
             slot.reset()  # a failed run leaves the KV state unknown
             raise
         finally:
-            self._free.put(slot)
+            with self._cond:
+                self._free.append(slot)
+                self._evict()
+                self._cond.notify()
+
+    def _evict(self) -> None:
+        """Drop the least recently used idle KV states beyond the budget (lock held)."""
+        if self.budget_tokens is None:
+            return
+        held = sum(slot.past_len for slot in self.slots)
+        for slot in self._free:  # least recently used first
+            if held <= self.budget_tokens:
+                break
+            held -= slot.past_len
+            slot.reset()
+
+    def cached_tokens(self) -> int:
+        return sum(slot.past_len for slot in self.slots)

@@ -90,6 +90,10 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
+    def decode_special(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with special tokens spelled out (e.g. '<|im_end|>')."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
     def token_id(self, token: str) -> int | None:
         result = self._tok.token_to_id(token)
         return None if result is None else int(result)

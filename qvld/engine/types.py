@@ -24,6 +24,8 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     max_image_tokens: int | None = None
+    session: str | None = None  # continue (or start) this conversation
+    uid: int = 0  # who asks: sessions belong to the uid that created them
     # Polled between prefill chunks and decode steps; True ends generation as cancelled.
     should_stop: Callable[[], bool] | None = None
 

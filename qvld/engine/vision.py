@@ -85,6 +85,7 @@ def rotary_embedding(grid_h: int, grid_w: int, merge: int, head_dim: int) -> np.
 
 def encode_image(slot: Slot, image: PreparedImage, vision: VisionSpec) -> ImageEmbedding:
     gh, gw, m = image.grid_h, image.grid_w, image.merge_size
+    assert image.patches is not None, "decode the image before encoding it"
     side = round(vision.num_position_embeddings ** 0.5)
     patches = slot.vision_patches(image.patches)
     idx, weights = position_corners(gh, gw, side)

@@ -1,0 +1,117 @@
+"""Prefix KV cache, image-embedding cache and sessions: exact, and actually reused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from qvld.engine import Engine, GenerateRequest
+from qvld.errors import Busy, Forbidden
+from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
+
+REFERENCE = load_reference(TINY)
+CASES = {c["name"]: c for c in REFERENCE["cases"]}
+SESSIONS = REFERENCE["sessions"]
+
+
+def ask(engine: Engine, case: dict[str, Any], **kw: Any) -> Any:
+    return engine.generate(GenerateRequest(
+        messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
+        max_tokens=case["max_new_tokens"], **kw))
+
+
+@pytest.mark.parametrize("session", SESSIONS, ids=[s["name"] for s in SESSIONS])
+def test_session_turns_equal_transformers_on_the_exact_sequence(session: dict[str, Any]
+                                                                ) -> None:
+    engine = Engine(parity_config(TINY, infer_requests=2))
+    for n, turn in enumerate(session["turns"]):
+        result = ask(engine, turn, session="s")
+        assert result.token_ids == turn["token_ids"], f"turn {n}"
+        assert result.usage.prompt_tokens == len(turn["input_ids"])
+        if n:  # the history (all but the last generated token) came from the KV cache
+            assert result.usage.cached_tokens >= len(session["turns"][n - 1]["input_ids"])
+    stored = engine.sessions.open("s", 0)
+    last = session["turns"][-1]
+    assert stored.ids == last["input_ids"] + last["token_ids"]
+
+
+def test_session_turns_are_exact_without_any_cache() -> None:
+    engine = Engine(parity_config(TINY, infer_requests=1, kv_cache_mb=0, image_cache_mb=0))
+    for session in SESSIONS:
+        for turn in session["turns"]:
+            result = ask(engine, turn, session=session["name"])
+            assert result.token_ids == turn["token_ids"]
+            assert result.usage.cached_tokens == 0
+    assert engine.images.stats()["entries"] == 0
+
+
+def test_same_ids_with_and_without_caches_in_a_reusing_order() -> None:
+    cached = Engine(parity_config(TINY, infer_requests=2))
+    plain = Engine(parity_config(TINY, infer_requests=1, kv_cache_mb=0, image_cache_mb=0))
+    order = ["image_photo", "image_photo", "two_images_one_message", "image_gray",
+             "system", "image_with_system", "system", "image_jpeg", "long", "long",
+             "images_in_two_turns", "image_small"]
+    reused = 0
+    for name in order:
+        case = CASES[name]
+        a, b = ask(cached, case), ask(plain, case)
+        assert a.token_ids == b.token_ids == case["token_ids"], name
+        assert b.usage.cached_tokens == 0
+        reused += a.usage.cached_tokens
+    assert reused > 0
+    stats = cached.images.stats()
+    assert stats["hits"] > 0 and stats["entries"] > 0
+
+
+def test_a_repeated_image_skips_decoding_and_encoding() -> None:
+    # No KV reuse here, so that the image-embedding cache alone is at work.
+    engine = Engine(parity_config(TINY, infer_requests=1, kv_cache_mb=0))
+    ask(engine, CASES["image_photo"])
+    question = {"messages": [{"role": "user", "content": [
+        {"type": "image", "image": "photo.png"}, {"type": "text", "text": "Other question"}]}],
+        "max_new_tokens": 4}
+    prepared = engine.prepare(GenerateRequest(messages=with_image_bytes(
+        question["messages"], TINY)))
+    assert prepared.images[0].patches is None  # the cache told its grid: no decoding
+    hits, misses = engine.images.hits, engine.images.misses
+    result = engine.run(prepared)
+    assert (engine.images.hits, engine.images.misses) == (hits + 1, misses)
+    assert result.usage.cached_tokens == 0 and result.usage.image_tokens == 54
+
+
+def test_kv_state_is_trimmed_to_the_common_prefix() -> None:
+    engine = Engine(parity_config(TINY, infer_requests=1))
+    a = ask(engine, CASES["system"])
+    b = ask(engine, CASES["image_with_system"])  # shares the system prompt only
+    assert 0 < b.usage.cached_tokens < len(CASES["image_with_system"]["input_ids"])
+    assert b.token_ids == CASES["image_with_system"]["token_ids"]
+    assert a.token_ids == CASES["system"]["token_ids"]
+
+
+def test_sessions_belong_to_their_uid() -> None:
+    engine = Engine(parity_config(TINY, infer_requests=1))
+    turn = SESSIONS[0]["turns"][0]
+    ask(engine, turn, session="mine", uid=1000)
+    with pytest.raises(Forbidden):
+        ask(engine, turn, session="mine", uid=1001)
+    assert engine.sessions.list(1001) == []
+    assert [s["id"] for s in engine.sessions.list(1000)] == ["mine"]
+    with pytest.raises(Forbidden):
+        engine.sessions.close("mine", 1001)
+    assert engine.sessions.close("mine", 1001, admin=True)
+
+
+def test_session_limits_and_concurrency() -> None:
+    engine = Engine(parity_config(TINY, infer_requests=1, sessions_max=2, session_ttl_s=60))
+    turn = SESSIONS[0]["turns"][0]
+    for sid in ("a", "b", "c"):
+        ask(engine, turn, session=sid)
+    assert sorted(s["id"] for s in engine.sessions.list(None)) == ["b", "c"]  # LRU out
+    prepared = engine.prepare(GenerateRequest(messages=turn["messages"], session="b",
+                                              max_tokens=2))
+    stale = engine.prepare(GenerateRequest(messages=turn["messages"], session="b",
+                                           max_tokens=2))
+    engine.run(prepared)
+    with pytest.raises(Busy, match="moved on"):
+        engine.run(stale)
