@@ -8,7 +8,7 @@ CONVERT := $(VENV)/.stamp-convert
 PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
-.PHONY: run test test-reference lint fixtures clean
+.PHONY: run test test-reference lint check-packaging fixtures clean
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ test-reference: $(CONVERT)
 lint: $(BASE)
 	$(BIN)/ruff check qvld qvlctl tests tools bench
 	$(BIN)/mypy
+
+# The alert rules must load in Prometheus (promtool comes with Debian's prometheus).
+check-packaging:
+	command -v promtool >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	promtool check rules packaging/prometheus/qvld-alerts.yml
+	$(PYTHON) -c "import json,sys; json.load(open('packaging/grafana/qvld-dashboard.json'))"
 
 # Rebuild the committed tiny model and its transformers reference (deterministic).
 fixtures: $(CONVERT)

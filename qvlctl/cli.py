@@ -164,6 +164,13 @@ def cmd_sessions(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_metrics(client: Client, args: argparse.Namespace) -> int:
+    text = str(client.call("metrics")["text"])
+    print(render.metrics_summary(text) if args.summary else text, end="" if not
+          args.summary else "\n")
+    return EXIT_OK
+
+
 def cmd_reload(client: Client, args: argparse.Namespace) -> int:
     result = client.reload()
     if args.json:
@@ -219,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("images", nargs="*", metavar="IMAGE",
                       help="images for the first message")
     chat.set_defaults(func=cmd_chat)
+
+    metrics = sub.add_parser("metrics", help="Prometheus metrics (or a short summary)")
+    metrics.add_argument("--summary", action="store_true", help="a few lines for people")
+    metrics.set_defaults(func=cmd_metrics)
 
     sessions = sub.add_parser("sessions", help="list your sessions, or close one")
     sessions.add_argument("--close", metavar="ID", help="close this session")

@@ -50,3 +50,50 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Exposition text -> {(sample name, labels): value} (no dependencies needed)."""
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_labels.partition("{")
+        pairs = tuple(sorted(
+            (k, v.strip('"')) for k, _, v in (p.partition("=") for p in
+                                               labels.rstrip("}").split('",') if p)))
+        try:
+            samples[(name, pairs)] = float(value)
+        except ValueError:
+            continue
+    return samples
+
+
+def metrics_summary(text: str) -> str:
+    s = _samples(text)
+
+    def total(name: str, **match: str) -> float:
+        return sum(v for (n, labels), v in s.items() if n == name
+                   and all(dict(labels).get(k, "").strip('"') == m for k, m in match.items()))
+
+    def mean(name: str) -> str:
+        count = total(f"{name}_count")
+        return f"{total(f'{name}_sum') / count:.3f} s" if count else "-"
+
+    generated = total("qvld_requests_total", op="generate")
+    ok = total("qvld_requests_total", op="generate", outcome="ok")
+    return "\n".join([
+        f"ready:             {'yes' if total('qvld_ready') == 1 else 'no'}",
+        f"generations:       {generated:.0f} ({ok:.0f} ok)",
+        f"in flight / queue: {total('qvld_requests_in_flight'):.0f} / "
+        f"{total('qvld_queue_depth'):.0f}",
+        f"tokens:            {total('qvld_prompt_tokens_total'):.0f} prompt, "
+        f"{total('qvld_generated_tokens_total'):.0f} generated",
+        f"mean TTFT:         {mean('qvld_time_to_first_token_seconds')}",
+        f"mean token gap:    {mean('qvld_inter_token_latency_seconds')}",
+        f"image cache:       {total('qvld_image_cache_hits_total'):.0f} hits, "
+        f"{total('qvld_image_cache_misses_total'):.0f} misses",
+        f"sessions:          {total('qvld_sessions_active'):.0f}",
+        f"resident memory:   {total('process_resident_memory_bytes') / 2**20:.0f} MiB",
+    ])

@@ -10,6 +10,7 @@ Signal handlers only record and wake the loop; the loop acts.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -20,12 +21,17 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from openvino import __version__ as _openvino_version
+from prometheus_client import CollectorRegistry
+
+from qvld import __version__
 from qvld.config import Config, load_config
 from qvld.engine import Engine
 from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
+from qvld.metrics import Exporter, Metrics, op_label
 from qvld.scheduler import Scheduler
 from qvld.server import AccessPolicy, Server, SocketInUse
 from qvld.systemd import Notifier, listen_fds
@@ -45,15 +51,37 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class _JournalFormatter(logging.Formatter):
+    """Under systemd: sd-daemon priority prefixes, no timestamps (journald adds them)."""
+
+    PRIORITY: ClassVar[dict[int, int]] = {
+        logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+        logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = f"<{self.PRIORITY.get(record.levelno, 6)}>"
+        return prefix + super().format(record).replace("\n", "\n" + prefix)
+
+
 def setup_logging(config: Config) -> None:
-    """stderr only: journald adds the timestamps and the unit."""
+    """stderr only; journald-friendly when systemd captures it (JOURNAL_STREAM)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if config.logging.format == "json"
-                         else logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    formatter: logging.Formatter
+    if config.logging.format == "json":
+        formatter = _JsonFormatter()
+    elif os.environ.get("JOURNAL_STREAM"):
+        formatter = _JournalFormatter("%(name)s: %(message)s")
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler.setFormatter(formatter)
     root = logging.getLogger("qvld")
     root.handlers[:] = [handler]
     root.setLevel(config.logging.level.upper())
     root.propagate = False
+
+
+def openvino_version() -> str:
+    return str(_openvino_version).split("-")[0]
 
 
 def _changed(old: Config, new: Config, key: str) -> bool:
@@ -72,6 +100,14 @@ class App:
         self.scheduler = Scheduler(config.engine.infer_requests, config.server.queue_max,
                                    config.engine.kv_cache_mb << 20 or None)
         self.server: Server | None = None
+        self.registry = CollectorRegistry()
+        self.metrics = Metrics(self.registry)
+        self.metrics.bind(in_flight=lambda: self.scheduler.running + self.scheduler.waiting,
+                          queue_depth=lambda: self.scheduler.waiting,
+                          sessions=lambda: len(self.state.engine.sessions)
+                          if self.state.engine is not None else 0)
+        self.exporter: Exporter | None = None
+        self.last_errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=10)
         self._wake = asyncio.Event()
         self._signals: list[int] = []
         self._reload_lock = asyncio.Lock()
@@ -93,8 +129,38 @@ class App:
         if config.model.warmup:
             self.notifier.status("warming up")
             engine.warmup()
-        log.info("model ready in %.1f s", time.perf_counter() - t0)
+        ready_s = time.perf_counter() - t0
+        log.info("model ready in %.1f s", ready_s)
+        self.metrics.set_model(__version__, openvino_version(), engine.spec.name,
+                               engine.models.runtime_properties["INFERENCE_PRECISION_HINT"],
+                               ready_s)
         return engine
+
+    def _on_reply(self, op: object, outcome: str, seconds: float) -> None:
+        self.metrics.observe_request(op, outcome, seconds)
+        if outcome not in ("ok", "cancelled"):
+            self.last_errors.append({"at": round(time.time(), 3), "op": op_label(op),
+                                     "code": outcome})
+
+    def status_details(self) -> dict[str, Any]:
+        """What the daemon is doing right now, for the status op."""
+        now = time.monotonic()
+        jobs = [{"uid": job.uid, "stage": "running" if job.started else "queued",
+                 "age_s": round(now - job.enqueued, 3)} for job in self.scheduler.jobs()]
+        details: dict[str, Any] = {"generations": jobs, "queue": self.scheduler.stats(),
+                                   "last_errors": list(self.last_errors)}
+        engine = self.state.engine
+        if engine is not None:
+            images = engine.images.stats()
+            lookups = images["hits"] + images["misses"]
+            details["caches"] = {
+                "image": {**images, "hit_ratio": round(images["hits"] / lookups, 3)
+                          if lookups else None},
+                "kv_cached_tokens": engine.pool.cached_tokens(),
+                "kv_budget_tokens": engine.pool.budget_tokens,
+                "sessions": len(engine.sessions),
+            }
+        return details
 
     async def _extend_start_timeout(self) -> None:
         """Keep systemd's start timeout ahead of a cold compile."""
@@ -175,9 +241,17 @@ class App:
                             in_flight=lambda: self.scheduler.running + self.scheduler.waiting,
                             is_admin=lambda peer: self.server is not None
                             and self.server.policy.is_admin(peer),
-                            reload=self.reload)
-        self.server = Server(self.config.server, handlers, policy)
+                            reload=self.reload, metrics=self.metrics,
+                            extra_status=self.status_details)
+        self.server = Server(self.config.server, handlers, policy, on_reply=self._on_reply)
         try:
+            if self.config.metrics.listen:
+                try:
+                    self.exporter = Exporter(self.registry, self.config.metrics.listen)
+                except OSError as exc:
+                    log.error("cannot serve metrics on %s: %s", self.config.metrics.listen,
+                              exc)
+                    return EXIT_FAILURE
             fds = listen_fds()
             sock = socket.socket(fileno=fds[0]) if fds else None
             try:
@@ -197,6 +271,7 @@ class App:
             if code is not None:
                 return code
             self.state.state = "ready"
+            self.metrics.ready.set(1)
             assert self.state.engine is not None
             self.notifier.ready(f"ready: {self.state.engine.spec.name}")
             log.info("ready")
@@ -253,6 +328,7 @@ class App:
 
     async def _drain(self) -> None:
         self.state.state = "draining"
+        self.metrics.ready.set(0)
         self.notifier.notify("STOPPING=1", "STATUS=draining")
         assert self.server is not None
         await self.server.stop_accepting()
@@ -271,6 +347,8 @@ class App:
     async def _shutdown(self) -> None:
         """Reverse of start: no new work, workers stop, connections close."""
         self.scheduler.close()
+        if self.exporter is not None:
+            self.exporter.close()
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.sleep(0.05)  # let the last replies reach their sockets

@@ -17,6 +17,7 @@ from qvld import __version__, protocol
 from qvld.config import Config
 from qvld.engine import Engine, GenerateRequest
 from qvld.errors import BadRequest, Forbidden, Unavailable, UnsupportedVersion
+from qvld.metrics import Metrics
 from qvld.scheduler import Job, Scheduler
 from qvld.server import Peer, RequestContext
 
@@ -118,8 +119,12 @@ class Handlers:
                  prepare_executor: ThreadPoolExecutor,
                  in_flight: Callable[[], int] | None = None,
                  is_admin: Callable[[Peer], bool] | None = None,
-                 reload: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
+                 reload: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 metrics: Metrics | None = None,
+                 extra_status: Callable[[], dict[str, Any]] | None = None) -> None:
         self.state = state
+        self.metrics = metrics
+        self.extra_status = extra_status
         self.scheduler = scheduler
         self.prepare_executor = prepare_executor
         self.in_flight = in_flight
@@ -134,6 +139,7 @@ class Handlers:
             "cancel": self.cancel,
             "reload": self.reload,
             "sessions": self.sessions,
+            "metrics": self.metrics_text,
         }
 
     async def __call__(self, ctx: RequestContext) -> Any:
@@ -184,6 +190,8 @@ class Handlers:
         }
         if self.in_flight is not None:
             result["requests_in_flight"] = self.in_flight()
+        if self.extra_status is not None:
+            result.update(self.extra_status())
         if engine is not None:
             result["model"] = {
                 "name": engine.spec.name,
@@ -227,6 +235,15 @@ class Handlers:
         if job.started is not None:
             result.timings.queue_s = round(job.started - job.enqueued, 6)
             result.timings.total_s += result.timings.queue_s
+        if self.metrics is not None:
+            self.metrics.observe_generation(result)
+        t, usage = result.timings, result.usage
+        ctx.log_fields.update(
+            prompt=usage.prompt_tokens, image=usage.image_tokens, cached=usage.cached_tokens,
+            generated=usage.completion_tokens, finish=result.finish_reason,
+            queue=f"{t.queue_s:.3f}s", ttft=f"{t.ttft_s:.3f}s", decode=f"{t.decode_s:.3f}s")
+        if self.state.config.logging.log_prompts:
+            ctx.log_fields["prompt_text"] = repr(_prompt_text(request.messages))
         return result.to_dict()
 
     async def cancel(self, ctx: RequestContext) -> dict[str, Any]:
@@ -257,9 +274,26 @@ class Handlers:
             return {"closed": engine.sessions.close(sid, ctx.peer.uid, admin)}
         raise BadRequest("sessions action must be 'list' or 'close'")
 
+    async def metrics_text(self, ctx: RequestContext) -> dict[str, Any]:
+        if self.metrics is None:
+            raise Unavailable("metrics are not collected")
+        return {"text": self.metrics.exposition()}
+
     async def reload(self, ctx: RequestContext) -> dict[str, Any]:
         if not self.is_admin(ctx.peer):
             raise Forbidden("reload is an admin op (root or a member of server.admin_groups)")
         if self._reload is None:
             raise Unavailable("reload is not available")
         return await self._reload()
+
+
+def _prompt_text(messages: Any) -> str:
+    """The text parts of a request (logged only with logging.log_prompts)."""
+    parts = []
+    for message in messages if isinstance(messages, list) else []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [p.get("text", "[image]") for p in content if isinstance(p, dict)]
+    return " | ".join(str(p) for p in parts)

@@ -19,6 +19,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,9 @@ class RequestContext:
     connection: Connection
     cancelled: threading.Event = field(default_factory=threading.Event)
     on_cancel: list[Callable[[], None]] = field(default_factory=list)
+    arrived: float = field(default_factory=time.monotonic)
+    # What the request log line says besides op, outcome and duration.
+    log_fields: dict[str, Any] = field(default_factory=dict)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -147,8 +151,10 @@ class Connection:
 
 class Server:
     def __init__(self, config: ServerConfig, dispatch: Callable[[RequestContext], Awaitable[Any]],
-                 policy: AccessPolicy | None = None) -> None:
+                 policy: AccessPolicy | None = None,
+                 on_reply: Callable[[object, str, float], None] | None = None) -> None:
         self.config = config
+        self.on_reply = on_reply
         self.dispatch = dispatch
         self.policy = policy or AccessPolicy(config)
         self.connections: set[Connection] = set()
@@ -248,6 +254,21 @@ class Server:
                     await writer.drain()
                 writer.close()
 
+    def _account(self, conn: Connection, rid: int | None, op: object, outcome: str,
+                 t0: float, fields: dict[str, Any]) -> None:
+        """One log line and the metrics for every request, whatever became of it."""
+        seconds = time.monotonic() - t0
+        if self.on_reply is not None:
+            self.on_reply(op, outcome, seconds)
+        if op == "health" and outcome == "ok":
+            return  # health checks would drown the journal
+        extra = "".join(f" {key}={value}" for key, value in fields.items())
+        log.log(logging.INFO if outcome in ("ok", "cancelled") else logging.WARNING,
+                "request %d/%s uid=%d op=%s outcome=%s time=%.3fs%s", conn.number,
+                "-" if rid is None else rid, conn.peer.uid,
+                op if isinstance(op, str) and op in protocol.OPS else "unknown",
+                outcome, seconds, extra)
+
     async def _refuse(self, conn: Connection, exc: QvlError) -> None:
         """Answer the first request (so the client reads why) and nothing more."""
         rid = None
@@ -285,10 +306,12 @@ class Server:
                 return
             if payload is None:
                 return
+            t0 = time.monotonic()
             try:
                 message = protocol.unpack(payload, self.config.max_frame_bytes)
             except QvlError as exc:
                 conn.send(protocol.error(None, exc))
+                self._account(conn, None, None, exc.code, t0, {})
                 continue
             rid = protocol.request_id(message)
             try:
@@ -297,6 +320,8 @@ class Server:
                     raise BadRequest(f"request id {request.id} is already in flight")
             except QvlError as exc:
                 conn.send(protocol.error(rid, exc))
+                op = message.get("op") if isinstance(message, dict) else None
+                self._account(conn, rid, op, exc.code, t0, {})
                 continue
             ctx = RequestContext(request=request, peer=conn.peer, connection=conn)
             conn.in_flight[request.id] = ctx
@@ -307,18 +332,24 @@ class Server:
     async def _run(self, ctx: RequestContext) -> None:
         rid = ctx.request.id
         conn = ctx.connection
+        outcome = "ok"
         try:
             result = await self.dispatch(ctx)
             reply = protocol.ok(rid, result)
+            if isinstance(result, dict) and result.get("finish_reason") == "cancelled":
+                outcome = "cancelled"
         except QvlError as exc:
             reply = protocol.error(rid, exc)
+            outcome = exc.code
         except Exception:
             log.exception("internal error in request %d/%d (op %s)", conn.number, rid,
                           ctx.request.op)
             reply = protocol.error(rid, InternalError(
                 f"internal error (logged as request {conn.number}/{rid})"))
+            outcome = "internal"
         finally:
             conn.in_flight.pop(rid, None)
+        self._account(conn, rid, ctx.request.op, outcome, ctx.arrived, ctx.log_fields)
         try:
             conn.send(reply)
         except (TypeError, ValueError):

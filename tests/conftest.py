@@ -64,7 +64,8 @@ class Daemon:
     """The real `qvld` process on a real Unix socket, started from the command line."""
 
     def __init__(self, workdir: Path, model: Path = TINY, args: Sequence[str] = (),
-                 config_text: str = "", socket_path: Path | None = None) -> None:
+                 config_text: str = "", socket_path: Path | None = None,
+                 metrics_listen: str = "") -> None:
         self.workdir = workdir
         self.socket = socket_path or workdir / "qvld.sock"
         self.log_path = workdir / "qvld.log"
@@ -73,7 +74,7 @@ class Daemon:
         self.argv = [sys.executable, "-m", "qvld.cli", "--config", str(config),
                      "--model", str(model), "--socket", str(self.socket),
                      "--set", "model.precision=f32", "--set", "model.kv_cache_precision=f32",
-                     "--set", "metrics.listen=", *args]
+                     "--set", f"metrics.listen={metrics_listen}", *args]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait_ready: bool = True, timeout: float = 60) -> Daemon:

@@ -191,16 +191,17 @@ class Engine:
             offset += image.tokens
         return keys
 
-    def embed_image(self, slot: Slot, image: PreparedImage) -> ImageEmbedding:
+    def embed_image(self, slot: Slot, image: PreparedImage) -> tuple[ImageEmbedding, bool]:
+        """The image's embedding, and whether it came from the cache."""
         cached = self.images.get(image.digest)
         if cached is not None:
-            return cached
+            return cached, True
         if image.patches is None:  # evicted since it was prepared: decode again
             image = prepare(image.data, self.spec.vision, image.budget,
                             self.config.engine.max_decode_pixels)
         embedding = encode_image(slot, image, self.spec.vision)
         self.images.put(image.digest, embedding)
-        return embedding
+        return embedding, False
 
     def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage],
                  should_stop: Callable[[], bool] = _never, cached: int = 0) -> Prompt | None:
@@ -213,6 +214,7 @@ class Engine:
         visual_mask = np.asarray(ids) == self.spec.image_token_id
         rows = np.flatnonzero(visual_mask)
         embeds, deepstack = [], []
+        hits = misses = 0
         offset = 0
         for image in images:
             last_row = rows[offset + image.tokens - 1]
@@ -223,7 +225,11 @@ class Engine:
                 continue
             if should_stop():
                 return None
-            embedding = self.embed_image(slot, image)
+            embedding, hit = self.embed_image(slot, image)
+            if hit:
+                hits += 1
+            else:
+                misses += 1
             embeds.append(embedding.embeds)
             deepstack.append(embedding.deepstack)
         positions, delta = mrope_positions(ids, self.spec.image_token_id,
@@ -238,6 +244,8 @@ class Engine:
             deepstack=np.concatenate(deepstack, axis=1) if deepstack
             else np.zeros((k, 0, hidden), np.float32),
             keys=self.prompt_keys(ids, images),
+            image_cache_hits=hits,
+            image_cache_misses=misses,
         )
 
     def prepare(self, request: GenerateRequest) -> PreparedRequest:
@@ -338,6 +346,9 @@ class Engine:
                 decode_s=outcome.decode_s,
                 total_s=prepared.prepare_s + time.perf_counter() - t0,
             ),
+            token_gaps=outcome.token_gaps,
+            image_cache_hits=prompt.image_cache_hits,
+            image_cache_misses=prompt.image_cache_misses,
         )
 
     def _cancelled(self, prepared: PreparedRequest, t0: float, image_s: float) -> GenerateResult:

@@ -62,6 +62,8 @@ class Prompt:
     deepstack: np.ndarray  # [k,Nvis,H]
     # The KV-cache key of each row: (token id, image hash for image rows).
     keys: list[tuple[int, bytes | None]] = field(default_factory=list)
+    image_cache_hits: int = 0
+    image_cache_misses: int = 0
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Outcome:
     ttft_s: float
     decode_s: float
     cached_tokens: int
+    token_gaps: list[float] = field(default_factory=list)
 
 
 def prefill(slot: Slot, prompt: Prompt, start: int, chunk: int,
@@ -131,10 +134,16 @@ def run_generation(
     t_first = t_prefill
     eos = set(eos_ids)
     stop_at: int | None = None
+    gaps: list[float] = []
+    t_last = 0.0
     while True:
         token = sampler.choose(logits)
+        now = time.perf_counter()
         if not text.ids:
-            t_first = time.perf_counter()
+            t_first = now
+        else:
+            gaps.append(now - t_last)
+        t_last = now
         text.add(token)
         pending.append(token)
         if token in eos or (stops.stops and (stop_at := stops.find(text.text)) is not None):
@@ -167,4 +176,5 @@ def run_generation(
         ttft_s=t_first - t0,
         decode_s=t_end - t_first,
         cached_tokens=cached,
+        token_gaps=gaps,
     )

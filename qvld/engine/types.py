@@ -55,9 +55,15 @@ class GenerateResult:
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    # For metrics, not part of the protocol's result:
+    token_gaps: list[float] = field(default_factory=list, repr=False)
+    image_cache_hits: int = 0
+    image_cache_misses: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "usage": asdict(self.usage),
+                "timings": asdict(self.timings)}
 
 
 # on_token(text_delta, new_token_ids): called as text becomes final (never mid-character,

@@ -1,0 +1,163 @@
+"""Prometheus metrics on an injected registry, and the HTTP exporter.
+
+Names follow Prometheus conventions (base units, ``_total`` counters, ``qvld_`` prefix).
+Label values never come from client input: ``op`` is a known op or ``unknown`` and
+``outcome`` is ``ok``, ``cancelled`` or an error code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
+
+from qvld import protocol
+from qvld.errors import ERRORS_BY_CODE
+
+log = logging.getLogger("qvld.metrics")
+
+# CPU latencies: dense from 50 ms to 2 minutes.
+LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0,
+                   5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0)
+# Per-token gaps: 5 ms to 2 s.
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.25,
+                 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0)
+OUTCOMES = ("ok", "cancelled", *ERRORS_BY_CODE)
+
+
+def op_label(op: object) -> str:
+    return op if isinstance(op, str) and op in protocol.OPS else "unknown"
+
+
+def outcome_label(outcome: str) -> str:
+    return outcome if outcome in OUTCOMES else "internal"
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...],
+                      labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+
+        self.request_duration = histogram(
+            "qvld_request_duration_seconds", "Time from a request's arrival to its final reply.",
+            LATENCY_BUCKETS, ("op",))
+        self.ttft = histogram("qvld_time_to_first_token_seconds",
+                              "Time from a generate request's arrival to its first token.",
+                              LATENCY_BUCKETS)
+        self.inter_token = histogram("qvld_inter_token_latency_seconds",
+                                     "Time between consecutive generated tokens.", TOKEN_BUCKETS)
+        self.queue_wait = histogram("qvld_queue_wait_seconds",
+                                    "Time a generation waited for a worker.", LATENCY_BUCKETS)
+        self.image_encode = histogram("qvld_image_encode_seconds",
+                                      "Image decoding and vision encoding per request.",
+                                      LATENCY_BUCKETS)
+        self.prefill = histogram("qvld_prefill_seconds", "Prompt prefill per request.",
+                                 LATENCY_BUCKETS)
+        self.requests = Counter("qvld_requests", "Requests by op and outcome.",
+                                ("op", "outcome"), registry=registry)
+        self.prompt_tokens = Counter("qvld_prompt_tokens", "Prompt tokens of generations.",
+                                     registry=registry)
+        self.generated_tokens = Counter("qvld_generated_tokens", "Tokens generated.",
+                                        registry=registry)
+        self.image_cache_hits = Counter("qvld_image_cache_hits",
+                                        "Images whose embeddings came from the cache.",
+                                        registry=registry)
+        self.image_cache_misses = Counter("qvld_image_cache_misses",
+                                          "Images that had to be encoded.", registry=registry)
+        self.session_cache_hits = Counter(
+            "qvld_session_cache_hits",
+            "Generations that reused KV-cache rows (sessions, repeated prefixes).",
+            registry=registry)
+        self.in_flight = Gauge("qvld_requests_in_flight", "Generations admitted (running or "
+                               "waiting).", registry=registry)
+        self.queue_depth = Gauge("qvld_queue_depth", "Generations waiting for a worker.",
+                                 registry=registry)
+        self.sessions_active = Gauge("qvld_sessions_active", "Open sessions.",
+                                     registry=registry)
+        self.model_load = Gauge("qvld_model_load_seconds",
+                                "Time the current model took to load and warm up.",
+                                registry=registry)
+        self.ready = Gauge("qvld_ready", "1 when the daemon serves generations.",
+                           registry=registry)
+        self.build_info = Gauge("qvld_build_info", "Version, runtime and model.",
+                                ("version", "openvino", "model", "precision"), registry=registry)
+        self.preflight = Gauge("qvld_preflight_check",
+                               "Preflight checks: 1 for the status each check has.",
+                               ("check", "status"), registry=registry)
+        ProcessCollector(registry=registry)
+        # Pre-create the request series that alert rules divide by, so they exist at 0.
+        for op in ("generate", "health"):
+            self.requests.labels(op, "ok")
+
+    def bind(self, in_flight: Callable[[], float], queue_depth: Callable[[], float],
+             sessions: Callable[[], float]) -> None:
+        """Live gauges, read at scrape time."""
+        self.in_flight.set_function(in_flight)
+        self.queue_depth.set_function(queue_depth)
+        self.sessions_active.set_function(sessions)
+
+    def observe_request(self, op: object, outcome: str, seconds: float) -> None:
+        label = op_label(op)
+        self.requests.labels(label, outcome_label(outcome)).inc()
+        self.request_duration.labels(label).observe(seconds)
+
+    def observe_generation(self, result: Any) -> None:
+        """A finished generation's timings and counts (a GenerateResult)."""
+        t, usage = result.timings, result.usage
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generated_tokens.inc(usage.completion_tokens)
+        if usage.completion_tokens:
+            self.ttft.observe(t.ttft_s)
+        self.queue_wait.observe(t.queue_s)
+        self.prefill.observe(t.prefill_s)
+        if usage.image_tokens:
+            self.image_encode.observe(t.image_s)
+        for gap in result.token_gaps:
+            self.inter_token.observe(gap)
+        self.image_cache_hits.inc(result.image_cache_hits)
+        self.image_cache_misses.inc(result.image_cache_misses)
+        if usage.cached_tokens:
+            self.session_cache_hits.inc()
+
+    def set_model(self, version: str, openvino: str, model: str, precision: str,
+                  load_s: float) -> None:
+        self.build_info.clear()
+        self.build_info.labels(version, openvino, model, precision).set(1)
+        self.model_load.set(load_s)
+
+    def set_preflight(self, checks: list[dict[str, Any]]) -> None:
+        self.preflight.clear()
+        for check in checks:
+            for status in ("ok", "warn", "fail", "n/a"):
+                self.preflight.labels(check["id"], status).set(
+                    1 if check["status"] == status else 0)
+
+    def exposition(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+class Exporter:
+    """The HTTP endpoint Prometheus scrapes (`metrics.listen`)."""
+
+    def __init__(self, registry: CollectorRegistry, listen: str) -> None:
+        host, _, port = listen.rpartition(":")
+        self.server, self.thread = start_http_server(int(port), host.strip("[]") or "0.0.0.0",
+                                                     registry=registry)
+        log.info("metrics on http://%s/metrics", listen)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
