@@ -22,10 +22,11 @@ from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
 
 
-def scene(size: int) -> bytes:
-    rng = np.random.default_rng(0)
+def scene(size: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:size, 0:size].astype(np.float32)
-    img = np.stack([255 * x / size, 255 * y / size, 128 + 100 * np.sin((x + y) / 23)], -1)
+    img = np.stack([255 * x / size, 255 * y / size,
+                    128 + 100 * np.sin((x + y + seed) / 23)], -1)
     img += rng.normal(0, 8, img.shape)
     buf = io.BytesIO()
     Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(buf, "PNG")
@@ -38,23 +39,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--size", type=int, default=448)
+    parser.add_argument("--threads", default="auto", help="engine.threads")
+    parser.add_argument("--pin", action="store_true",
+                        help="apply qvld's tuning (pin one thread per physical core) first")
     args = parser.parse_args(argv)
+    threads: int | str = int(args.threads) if args.threads.isdigit() else "auto"
+    if args.pin:
+        from qvld import tuning
+
+        actions, cpus = tuning.apply(Config())
+        print("; ".join(f"{a.action}: {a.result} ({a.detail})" for a in actions))
+        threads = len(cpus) if threads == "auto" and cpus else threads
 
     t0 = time.perf_counter()
     engine = Engine(Config(model=ModelConfig(path=args.model),
-                           engine=EngineConfig(infer_requests=1)))
+                           engine=EngineConfig(infer_requests=1, threads=threads)))
     print(f"load+compile {time.perf_counter() - t0:.1f} s; "
           f"runtime {engine.models.runtime_properties}")
-    image = scene(args.size)
-    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+    def messages(seed: int) -> list[dict[str, object]]:
+        # A new image every run: the caches must not make TTFT look better than it is.
+        return [{"role": "user", "content": [{"type": "image", "image": scene(args.size, seed)},
                                              {"type": "text", "text": "Describe this image."}]}]
+
     t0 = time.perf_counter()
     engine.warmup()
-    engine.generate(GenerateRequest(messages=messages, max_tokens=2, temperature=0.0))
+    engine.generate(GenerateRequest(messages=messages(0), max_tokens=2, temperature=0.0))
     print(f"warm-up {time.perf_counter() - t0:.1f} s")
     rows = []
     for run in range(args.runs):
-        result = engine.generate(GenerateRequest(messages=messages, max_tokens=args.new_tokens,
+        result = engine.generate(GenerateRequest(messages=messages(run + 1),
+                                                 max_tokens=args.new_tokens,
                                                  temperature=0.0, ignore_eos=True))
         t = result.timings
         per_token = t.decode_s / max(result.usage.completion_tokens - 1, 1)

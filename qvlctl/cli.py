@@ -164,6 +164,20 @@ def cmd_sessions(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_preflight(client: Client, args: argparse.Namespace) -> int:
+    document = dict(client.call("preflight"))
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        for check in document["checks"]:
+            print(f"{check['status']:<5} {check['id']:<13} {check['found']}")
+            if check.get("remedy") and check["status"] in ("warn", "fail"):
+                print(f"      {'':<13} remedy: {check['remedy']}")
+        for action in document["tuning"]:
+            print(f"tuning {action['action']}: {action['result']}: {action['detail']}")
+    return EXIT_OK if document.get("ok") else EXIT_INTERNAL
+
+
 def cmd_metrics(client: Client, args: argparse.Namespace) -> int:
     text = str(client.call("metrics")["text"])
     print(render.metrics_summary(text) if args.summary else text, end="" if not
@@ -226,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("images", nargs="*", metavar="IMAGE",
                       help="images for the first message")
     chat.set_defaults(func=cmd_chat)
+
+    pre = sub.add_parser("preflight", help="the daemon's system checks and applied tuning")
+    pre.add_argument("--json", action="store_true")
+    pre.set_defaults(func=cmd_preflight)
 
     metrics = sub.add_parser("metrics", help="Prometheus metrics (or a short summary)")
     metrics.add_argument("--summary", action="store_true", help="a few lines for people")

@@ -26,12 +26,13 @@ from typing import Any, ClassVar
 from openvino import __version__ as _openvino_version
 from prometheus_client import CollectorRegistry
 
-from qvld import __version__
+from qvld import __version__, tuning
 from qvld.config import Config, load_config
 from qvld.engine import Engine
 from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
 from qvld.metrics import Exporter, Metrics, op_label
+from qvld.preflight import report, run_checks
 from qvld.scheduler import Scheduler
 from qvld.server import AccessPolicy, Server, SocketInUse
 from qvld.systemd import Notifier, listen_fds
@@ -108,6 +109,8 @@ class App:
                           if self.state.engine is not None else 0)
         self.exporter: Exporter | None = None
         self.last_errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=10)
+        self.preflight: dict[str, Any] = {"ok": True, "checks": [], "tuning": []}
+        self.pinned_cpus: list[int] = []
         self._wake = asyncio.Event()
         self._signals: list[int] = []
         self._reload_lock = asyncio.Lock()
@@ -136,6 +139,25 @@ class App:
                                ready_s)
         return engine
 
+    def _preflight_and_tune(self) -> None:
+        """Check the system, apply tuning, and let the engine's threads follow the pins."""
+        checks = run_checks(self.config)
+        actions, cpus = tuning.apply(self.config)
+        self.preflight = report(checks, [a.to_dict() for a in actions])
+        self.metrics.set_preflight(self.preflight["checks"])
+        for check in checks:
+            level = {"fail": logging.ERROR, "warn": logging.WARNING}.get(check.status)
+            if level is not None:
+                log.log(level, "preflight %s: %s: %s (remedy: %s)", check.id, check.status,
+                        check.found, check.remedy)
+        for action in actions:
+            log.info("tuning %s: %s: %s", action.action, action.result, action.detail)
+        if cpus and self.config.engine.threads == "auto":
+            engine = self.config.engine.model_copy(update={"threads": len(cpus)})
+            self.config = self.config.model_copy(update={"engine": engine})
+            self.state.config = self.config
+        self.pinned_cpus = cpus
+
     def _on_reply(self, op: object, outcome: str, seconds: float) -> None:
         self.metrics.observe_request(op, outcome, seconds)
         if outcome not in ("ok", "cancelled"):
@@ -147,8 +169,11 @@ class App:
         now = time.monotonic()
         jobs = [{"uid": job.uid, "stage": "running" if job.started else "queued",
                  "age_s": round(now - job.enqueued, 3)} for job in self.scheduler.jobs()]
-        details: dict[str, Any] = {"generations": jobs, "queue": self.scheduler.stats(),
-                                   "last_errors": list(self.last_errors)}
+        details: dict[str, Any] = {
+            "generations": jobs, "queue": self.scheduler.stats(),
+            "last_errors": list(self.last_errors), "pinned_cpus": self.pinned_cpus,
+            "threads": self.config.engine.threads,
+            "preflight": {c["id"]: c["status"] for c in self.preflight["checks"]}}
         engine = self.state.engine
         if engine is not None:
             images = engine.images.stats()
@@ -242,7 +267,8 @@ class App:
                             is_admin=lambda peer: self.server is not None
                             and self.server.policy.is_admin(peer),
                             reload=self.reload, metrics=self.metrics,
-                            extra_status=self.status_details)
+                            extra_status=self.status_details,
+                            preflight=lambda: self.preflight)
         self.server = Server(self.config.server, handlers, policy, on_reply=self._on_reply)
         try:
             if self.config.metrics.listen:
@@ -263,6 +289,7 @@ class App:
                      " (socket activation)" if fds else "")
             if self.notifier.enabled:
                 background.append(asyncio.create_task(self._extend_start_timeout()))
+            self._preflight_and_tune()
             self.notifier.status("loading model")
             code = await self._start_engine(loop)
             for task in background:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,8 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 1 runtime failure, 2 usage, 78 configuration or model "
                "directory invalid",
     )
-    parser.add_argument("command", nargs="?", default="run", choices=["run", "check-config"],
-                        help="run (default) or check-config")
+    parser.add_argument("command", nargs="?", default="run",
+                        choices=["run", "check-config", "preflight"],
+                        help="run (default), check-config, or preflight (system checks)")
     parser.add_argument("--config", type=Path,
                         help="YAML config (default: $QVLD_CONFIG, else /etc/qvld/qvld.yaml "
                              "if it exists, else built-in defaults)")
@@ -30,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--socket", type=Path, help="socket path (= --set server.socket=P)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config key, e.g. engine.threads=4")
+    parser.add_argument("--json", action="store_true", help="preflight: print JSON")
+    parser.add_argument("--textfile", type=Path,
+                        help="preflight: also write node_exporter textfile metrics here")
     parser.add_argument("--version", action="version", version=f"qvld {__version__}")
     return parser
 
@@ -61,6 +66,29 @@ def check_config(config: Config) -> int:
     return EXIT_OK
 
 
+def preflight(config: Config, as_json: bool, textfile: Path | None) -> int:
+    from qvld import preflight as checks
+    from qvld import tuning
+
+    results = checks.run_checks(config)
+    plan = [a.to_dict() for a in tuning.dry_run(config)]
+    document = checks.report(results, plan)
+    if textfile is not None:
+        tmp = textfile.with_suffix(textfile.suffix + ".tmp")
+        tmp.write_text(checks.textfile(results))
+        tmp.replace(textfile)  # node_exporter must never read a half-written file
+    if as_json:
+        print(json.dumps(document, indent=2))
+    else:
+        for check in results:
+            print(f"{check.status:<5} {check.id:<13} {check.found}")
+            if check.remedy and check.status in ("warn", "fail"):
+                print(f"      {'':<13} remedy: {check.remedy}")
+        for action in plan:
+            print(f"tuning {action['action']}: {action['detail']}")
+    return EXIT_OK if document["ok"] else EXIT_FAILURE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     path, overrides = config_source(args)
@@ -72,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     if args.command == "check-config":
         return check_config(config)
+    if args.command == "preflight":
+        return preflight(config, args.json, args.textfile)
     from qvld.app import App, setup_logging
 
     setup_logging(config)

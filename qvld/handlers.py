@@ -121,7 +121,9 @@ class Handlers:
                  is_admin: Callable[[Peer], bool] | None = None,
                  reload: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  metrics: Metrics | None = None,
-                 extra_status: Callable[[], dict[str, Any]] | None = None) -> None:
+                 extra_status: Callable[[], dict[str, Any]] | None = None,
+                 preflight: Callable[[], dict[str, Any]] | None = None) -> None:
+        self._preflight = preflight
         self.state = state
         self.metrics = metrics
         self.extra_status = extra_status
@@ -140,6 +142,7 @@ class Handlers:
             "reload": self.reload,
             "sessions": self.sessions,
             "metrics": self.metrics_text,
+            "preflight": self.preflight,
         }
 
     async def __call__(self, ctx: RequestContext) -> Any:
@@ -273,6 +276,12 @@ class Handlers:
                 raise BadRequest("sessions close needs params.id")
             return {"closed": engine.sessions.close(sid, ctx.peer.uid, admin)}
         raise BadRequest("sessions action must be 'list' or 'close'")
+
+    async def preflight(self, ctx: RequestContext) -> dict[str, Any]:
+        """The checks run at start-up and the tuning the daemon applied."""
+        if self._preflight is None:
+            raise Unavailable("preflight results are not available")
+        return self._preflight()
 
     async def metrics_text(self, ctx: RequestContext) -> dict[str, Any]:
         if self.metrics is None:

@@ -1,0 +1,399 @@
+"""Read-only checks of the system qvld runs on, each with what was found, why it
+matters and the exact remedy. Everything is read through a ``System`` (an injectable
+root for /proc and /sys, and the limits), so tests feed recorded trees."""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qvld.config import Config
+
+OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
+
+
+@dataclass(frozen=True)
+class Check:
+    id: str
+    status: str
+    found: str
+    why: str
+    remedy: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass
+class System:
+    """Where the facts come from: the real machine by default."""
+
+    root: Path = Path("/")
+    nofile: Callable[[], tuple[int, int]] = field(
+        default=lambda: resource.getrlimit(resource.RLIMIT_NOFILE))
+
+    def read(self, path: str) -> str | None:
+        try:
+            return (self.root / path.lstrip("/")).read_text(errors="replace")
+        except OSError:
+            return None
+
+    def glob(self, pattern: str) -> list[Path]:
+        return sorted(self.root.glob(pattern.lstrip("/")),
+                      key=lambda p: [int(n) if n.isdigit() else n
+                                     for n in re.split(r"(\d+)", str(p))])
+
+    # -- derived facts ------------------------------------------------------------------
+
+    def cpu_flags(self) -> set[str]:
+        text = self.read("/proc/cpuinfo") or ""
+        match = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
+        return set(match.group(1).split()) if match else set()
+
+    def cpu_model(self) -> str:
+        match = re.search(r"^model name\s*:\s*(.*)$", self.read("/proc/cpuinfo") or "",
+                          re.MULTILINE)
+        return match.group(1).strip() if match else "unknown CPU"
+
+    def topology(self) -> list[tuple[int, int, int]]:
+        """(cpu, package, core) for every online CPU."""
+        cpus = []
+        for path in self.glob("/sys/devices/system/cpu/cpu[0-9]*"):
+            cpu = int(path.name[3:])
+            package = self.read(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id")
+            core = self.read(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id")
+            if package is None or core is None:
+                continue
+            cpus.append((cpu, int(package), int(core)))
+        return cpus
+
+    def numa_nodes(self) -> dict[int, list[int]]:
+        nodes = {}
+        for path in self.glob("/sys/devices/system/node/node[0-9]*"):
+            cpulist = self.read(f"/sys/devices/system/node/{path.name}/cpulist")
+            if cpulist is not None:
+                nodes[int(path.name[4:])] = parse_cpu_list(cpulist)
+        return nodes
+
+    def meminfo(self) -> dict[str, int]:
+        values = {}
+        for line in (self.read("/proc/meminfo") or "").splitlines():
+            key, _, rest = line.partition(":")
+            number = rest.split()
+            if number and number[0].isdigit():
+                values[key] = int(number[0]) * 1024
+        return values
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+# -- the checks -------------------------------------------------------------------------
+
+
+def check_cpu_isa(system: System, config: Config) -> Check:
+    flags = system.cpu_flags()
+    if not flags:
+        return Check("cpu_isa", WARN, "no CPU flags in /proc/cpuinfo",
+                     "OpenVINO's fast kernels need AVX2 at least",
+                     "check that /proc is mounted and readable")
+    have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
+                        "amx_tile", "amx_bf16", "amx_int8") if f in flags]
+    if "avx2" not in flags:
+        return Check("cpu_isa", FAIL, f"{system.cpu_model()}: no AVX2 ({' '.join(have) or 'none'})",
+                     "OpenVINO's CPU plugin needs AVX2 for usable speed; without it a 2B "
+                     "model answers in minutes",
+                     "run qvld on an x86-64 CPU with AVX2 (Intel Haswell / AMD Zen or newer)")
+    if "amx_tile" in flags:
+        best = "AMX (bf16/int8 matrix tiles)"
+    elif "avx512_bf16" in flags:
+        best = "AVX-512 with BF16"
+    elif "avx512f" in flags:
+        best = "AVX-512" + (" VNNI" if "avx512_vnni" in flags else "")
+    else:
+        best = "AVX2" + (" VNNI" if "avx_vnni" in flags else "")
+    return Check("cpu_isa", OK, f"{system.cpu_model()}: {' '.join(have)}; OpenVINO uses {best}",
+                 "the widest vector/matrix units decide prefill speed and the default "
+                 "precision (bf16 where the CPU has it)")
+
+
+def check_cpu_governor(system: System, config: Config) -> Check:
+    governors = {p.read_text().strip() for p in
+                 system.glob("/sys/devices/system/cpu/cpu[0-9]*/cpufreq/scaling_governor")}
+    if not governors:
+        return Check("cpu_governor", NA, "no cpufreq (usual in VMs: the host decides)",
+                     "a power-saving governor lowers clocks between tokens")
+    if governors == {"performance"}:
+        return Check("cpu_governor", OK, "performance",
+                     "a power-saving governor lowers clocks between tokens")
+    return Check("cpu_governor", WARN, ", ".join(sorted(governors)),
+                 "powersave/schedutil ramp clocks down between decode steps; first tokens "
+                 "and tokens/s suffer",
+                 "cpupower frequency-set -g performance (or tuned-adm profile "
+                 "throughput-performance, or tuning.governor: performance with privileges)")
+
+
+def check_smt(system: System, config: Config) -> Check:
+    topo = system.topology()
+    if not topo:
+        return Check("smt", NA, "no CPU topology in /sys", "")
+    cores = {(p, c) for _, p, c in topo}
+    per_core = len(topo) / len(cores)
+    if per_core > 1:
+        return Check("smt", OK, f"{per_core:.0f} threads per core ({len(topo)} CPUs, "
+                     f"{len(cores)} cores)",
+                     "SMT siblings share one core's vector units; qvld pins one thread per "
+                     "physical core (tuning.pin_cpus: auto)")
+    return Check("smt", OK, f"1 thread per core ({len(cores)} cores)",
+                 "SMT siblings share one core's vector units")
+
+
+def check_cpu_topology(system: System, config: Config) -> Check:
+    topo = system.topology()
+    if not topo:
+        return Check("cpu_topology", NA, "no CPU topology in /sys", "")
+    packages = sorted({p for _, p, _ in topo})
+    cores = {(p, c) for _, p, c in topo}
+    return Check("cpu_topology", OK, f"{len(packages)} socket(s), {len(cores)} physical cores, "
+                 f"{len(topo)} logical CPUs",
+                 "inference threads scale with physical cores, not logical CPUs")
+
+
+def check_numa(system: System, config: Config) -> Check:
+    nodes = system.numa_nodes()
+    if not nodes:
+        return Check("numa", NA, "no NUMA information in /sys", "")
+    from qvld.tuning import choose_node
+
+    node = choose_node(system, config)
+    listing = "; ".join(f"node{n}: {len(c)} CPUs" for n, c in nodes.items())
+    if len(nodes) == 1:
+        return Check("numa", OK, f"1 node ({listing})",
+                     "threads and memory on one node avoid cross-socket traffic")
+    if config.tuning.apply and config.tuning.pin_cpus is not None:
+        return Check("numa", OK, f"{len(nodes)} nodes ({listing}); qvld uses node{node}'s "
+                     "cores and memory", "cross-node memory reads halve decode bandwidth")
+    return Check("numa", WARN, f"{len(nodes)} nodes ({listing}) and no pinning",
+                 "threads spread over nodes read weights across the interconnect",
+                 "set tuning.apply: true and tuning.pin_cpus: auto (or numactl "
+                 "--cpunodebind=0 --membind=0 in ExecStart)")
+
+
+def check_nofile(system: System, config: Config) -> Check:
+    soft, hard = system.nofile()
+    want = config.tuning.nofile
+    found = f"soft {soft}, hard {hard}; want {want}"
+    why = "every client connection and model file holds a descriptor"
+    if soft >= want:
+        return Check("nofile", OK, found, why)
+    if hard >= want:
+        return Check("nofile", WARN if not config.tuning.apply else OK,
+                     found + (" (tuning raises the soft limit)" if config.tuning.apply else ""),
+                     why, "tuning.apply: true raises it, or LimitNOFILE= in the unit")
+    return Check("nofile", WARN, found, why,
+                 f"LimitNOFILE={want} in the unit (or /etc/security/limits.d)")
+
+
+def model_bytes(config: Config) -> int:
+    path = config.model.path
+    if path is None or not path.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in path.glob("openvino_*.bin"))
+
+
+def check_memory(system: System, config: Config) -> Check:
+    info = system.meminfo()
+    available = info.get("MemAvailable")
+    if available is None:
+        return Check("memory", NA, "no /proc/meminfo", "")
+    weights = model_bytes(config)
+    need = weights + ((config.engine.kv_cache_mb + config.engine.image_cache_mb) << 20) \
+        + (512 << 20)
+    found = (f"{_gib(available)} available; needs ≈{_gib(need)} (weights {_gib(weights)}, "
+             f"KV cache {config.engine.kv_cache_mb} MiB, image cache "
+             f"{config.engine.image_cache_mb} MiB, runtime 0.5 GiB)")
+    why = "running out of memory gets the daemon killed or swapping mid-answer"
+    if available < need:
+        return Check("memory", FAIL, found, why,
+                     "lower engine.kv_cache_mb / engine.image_cache_mb, use an int4 model, "
+                     "or add memory")
+    if available < need * 1.25:
+        return Check("memory", WARN, found, why, "leave 25 % headroom: lower "
+                     "engine.kv_cache_mb or add memory")
+    return Check("memory", OK, found, why)
+
+
+def check_swap(system: System, config: Config) -> Check:
+    total = system.meminfo().get("SwapTotal")
+    if total is None:
+        return Check("swap", NA, "no /proc/meminfo", "")
+    if total == 0:
+        return Check("swap", OK, "no swap", "paged-out weights stall every token")
+    return Check("swap", WARN, f"{_gib(total)} of swap",
+                 "under memory pressure the model's pages go to swap and every token stalls",
+                 "MemorySwapMax=0 in the unit (or vm.swappiness=1)")
+
+
+def check_thp(system: System, config: Config) -> Check:
+    text = system.read("/sys/kernel/mm/transparent_hugepage/enabled")
+    if text is None:
+        return Check("thp", NA, "no transparent hugepage control", "")
+    match = re.search(r"\[(\w+)\]", text)
+    mode = match.group(1) if match else text.strip()
+    why = "huge pages cut TLB misses when streaming gigabytes of weights per token"
+    if mode == "never":
+        return Check("thp", WARN, "never", why,
+                     "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled")
+    return Check("thp", OK, mode, why)
+
+
+def check_python(system: System, config: Config) -> Check:
+    version = ".".join(map(str, sys.version_info[:3]))
+    try:
+        import openvino
+    except ImportError:
+        return Check("python", FAIL, f"Python {version}, openvino missing",
+                     "the engine runs on OpenVINO", "pip install openvino==2026.4.1")
+    ov = str(openvino.__version__).split("-")[0]
+    return Check("python", OK, f"Python {version}, openvino {ov}",
+                 "the runtime versions decide the kernels used")
+
+
+def check_glibc(system: System, config: Config) -> Check:
+    try:
+        text = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError):
+        text = ""
+    match = re.search(r"(\d+)\.(\d+)", text)
+    if not match:
+        return Check("glibc", NA, text or "not glibc", "OpenVINO wheels are built for glibc")
+    if (int(match.group(1)), int(match.group(2))) < (2, 28):
+        return Check("glibc", FAIL, text, "OpenVINO wheels need glibc 2.28+",
+                     "use a newer distribution (Debian 10+, Ubuntu 18.10+, RHEL 8+)")
+    return Check("glibc", OK, text, "OpenVINO wheels need glibc 2.28+")
+
+
+def check_model(system: System, config: Config) -> Check:
+    from qvld.engine.model_dir import SUBMODELS, ir_path, load_model_spec
+    from qvld.errors import ModelInvalid
+
+    path = config.model.path
+    if path is None:
+        return Check("model", FAIL, "model.path is not set", "there is nothing to serve",
+                     "set model.path (or qvld --model DIR)")
+    try:
+        spec = load_model_spec(path)
+    except ModelInvalid as exc:
+        return Check("model", FAIL, str(exc), "the daemon cannot load this directory",
+                     "convert the model again: qvlctl model convert (or optimum-cli export "
+                     "openvino --task image-text-to-text)")
+    for sub in SUBMODELS:
+        xml = ir_path(path, sub)
+        bin_path = xml.with_suffix(".bin")
+        if not os.access(xml, os.R_OK) or not bin_path.is_file() or \
+                bin_path.stat().st_size == 0:
+            return Check("model", FAIL, f"{bin_path.name} is missing, empty or unreadable",
+                         "the daemon cannot load this directory",
+                         "convert the model again, or fix the file permissions")
+    return Check("model", OK, f"{spec.name}: {_gib(model_bytes(config))} of weights at {path}",
+                 "the model directory must be complete and readable by the daemon")
+
+
+def _dir_check(name: str, path: Path, why: str, remedy: str) -> Check:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if path.exists() and not path.is_dir():
+        return Check(name, FAIL, f"{path} is not a directory", why, remedy)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return Check(name, FAIL, f"{probe} is not writable by uid {os.getuid()}", why, remedy)
+    return Check(name, OK, f"{path} {'exists' if path.exists() else 'can be created'}", why)
+
+
+def check_socket_dir(system: System, config: Config) -> Check:
+    return _dir_check("socket_dir", config.server.socket.parent,
+                      "the daemon creates its socket there",
+                      "RuntimeDirectory=qvld in the unit (or a tmpfiles.d entry)")
+
+
+def check_cache_dir(system: System, config: Config) -> Check:
+    if config.model.cache_dir is None:
+        return Check("cache_dir", WARN, "model.cache_dir is not set",
+                     "a compiled-model cache makes restarts reach READY much sooner",
+                     "set model.cache_dir (e.g. /var/cache/qvld, CacheDirectory=qvld)")
+    return _dir_check("cache_dir", config.model.cache_dir,
+                      "OpenVINO keeps compiled models there", "CacheDirectory=qvld in the unit")
+
+
+def check_tmp(system: System, config: Config) -> Check:
+    tmp = Path(tempfile.gettempdir())
+    try:
+        with tempfile.NamedTemporaryFile(dir=tmp):
+            pass
+    except OSError as exc:
+        return Check("tmp", FAIL, f"{tmp} is not writable: {exc.strerror}",
+                     "OpenVINO and Python write temporary files", "PrivateTmp=yes in the unit")
+    free = shutil.disk_usage(tmp).free
+    if free < 256 << 20:
+        return Check("tmp", WARN, f"{tmp}: {_gib(free)} free",
+                     "OpenVINO and Python write temporary files", f"free space in {tmp}")
+    return Check("tmp", OK, f"{tmp}: {_gib(free)} free",
+                 "OpenVINO and Python write temporary files")
+
+
+CHECKS: tuple[Callable[[System, Config], Check], ...] = (
+    check_cpu_isa, check_cpu_governor, check_smt, check_cpu_topology, check_numa,
+    check_nofile, check_memory, check_swap, check_thp, check_python, check_glibc,
+    check_model, check_socket_dir, check_cache_dir, check_tmp,
+)
+
+
+def run_checks(config: Config, system: System | None = None) -> list[Check]:
+    system = system or System()
+    results = []
+    for check in CHECKS:
+        try:
+            results.append(check(system, config))
+        except Exception as exc:  # a check must never take the daemon down
+            name = check.__name__.removeprefix("check_")
+            results.append(Check(name, WARN, f"the check itself failed: {exc!r}",
+                                 "qvld could not inspect this", "report it as a bug"))
+    return results
+
+
+def report(checks: list[Check], tuning: list[dict[str, str]]) -> dict[str, Any]:
+    """The `qvld preflight --json` document (shape fixed in DESIGN.md)."""
+    return {"ok": all(c.status != FAIL for c in checks),
+            "checks": [c.to_dict() for c in checks], "tuning": tuning}
+
+
+def textfile(checks: list[Check]) -> str:
+    """node_exporter textfile-collector format."""
+    lines = ["# HELP qvld_preflight_check Preflight checks: 1 for the status each has.",
+             "# TYPE qvld_preflight_check gauge"]
+    for check in checks:
+        for status in (OK, WARN, FAIL, NA):
+            value = 1 if check.status == status else 0
+            lines.append(f'qvld_preflight_check{{check="{check.id}",status="{status}"}} '
+                         f"{value}")
+    return "\n".join(lines) + "\n"
