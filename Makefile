@@ -8,7 +8,7 @@ CONVERT := $(VENV)/.stamp-convert
 PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
-.PHONY: run test test-reference lint check-packaging fixtures clean
+.PHONY: run test test-reference lint check-packaging install uninstall fixtures clean
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ check-packaging:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 	promtool check rules packaging/prometheus/qvld-alerts.yml
 	$(PYTHON) -c "import json,sys; json.load(open('packaging/grafana/qvld-dashboard.json'))"
+
+# As a system service: /opt/qvld/venv, /usr/bin/qvld, units, users, /etc/qvld/qvld.yaml.
+install:
+	packaging/install.sh
+
+uninstall:
+	packaging/install.sh --uninstall
 
 # Rebuild the committed tiny model and its transformers reference (deterministic).
 fixtures: $(CONVERT)

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Install qvld as a system service, or remove it.
+#
+#   packaging/install.sh [--destdir DIR] [--python PYTHON]       install (idempotent)
+#   packaging/install.sh --uninstall [--purge] [--destdir DIR]   remove what install put
+#
+# Layout: a virtualenv in /opt/qvld/venv; /usr/bin/qvld and /usr/bin/qvlctl link into it
+# (the path the unit's ExecStart names, as in the .deb); units, sysusers.d and
+# tmpfiles.d files under /usr/lib; the config in /etc/qvld/qvld.yaml (an edited config
+# is never overwritten: the new default goes beside it as qvld.yaml.dist). Models go in
+# /var/lib/qvld/models, the compiled-model cache in /var/cache/qvld; --uninstall keeps
+# both and the config unless --purge is given.
+set -euo pipefail
+
+src=$(cd "$(dirname "$0")/.." && pwd)
+destdir=""
+python=${PYTHON:-python3}
+action=install
+purge=no
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --destdir) destdir=${2%/}; shift 2 ;;
+    --python) python=$2; shift 2 ;;
+    --uninstall) action=uninstall; shift ;;
+    --purge) purge=yes; shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "install.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+venv=/opt/qvld/venv
+units=/usr/lib/systemd/system
+files=(
+  "$units/qvld.service" "$units/qvld.socket"
+  /usr/lib/sysusers.d/qvld.conf /usr/lib/tmpfiles.d/qvld.conf
+  /usr/bin/qvld /usr/bin/qvlctl /usr/share/doc/qvld/README.md
+)
+
+systemd_running() { [ -z "$destdir" ] && [ -d /run/systemd/system ]; }
+
+install_file() {  # mode source target
+  install -D -m "$1" "$2" "$destdir$3"
+}
+
+do_install() {
+  # The virtualenv: created once, then qvld (and what it needs) installed into it.
+  if [ ! -x "$destdir$venv/bin/python" ]; then
+    "$python" -m venv "$destdir$venv"
+  fi
+  "$destdir$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    --upgrade "$src"
+  mkdir -p "$destdir/usr/bin"
+  ln -sfn "$venv/bin/qvld" "$destdir/usr/bin/qvld"
+  ln -sfn "$venv/bin/qvlctl" "$destdir/usr/bin/qvlctl"
+
+  install_file 0644 "$src/packaging/systemd/qvld.service" "$units/qvld.service"
+  install_file 0644 "$src/packaging/systemd/qvld.socket" "$units/qvld.socket"
+  install_file 0644 "$src/packaging/sysusers.d/qvld.conf" /usr/lib/sysusers.d/qvld.conf
+  install_file 0644 "$src/packaging/tmpfiles.d/qvld.conf" /usr/lib/tmpfiles.d/qvld.conf
+  install_file 0644 "$src/README.md" /usr/share/doc/qvld/README.md
+
+  # The config: the documented defaults, with the service's own directories filled in.
+  local dist
+  dist=$(mktemp)
+  sed -e 's|^  path: ~ |  path: /var/lib/qvld/models/qwen3-vl-2b |' \
+      -e 's|^  cache_dir: ~  |  cache_dir: /var/cache/qvld|' \
+      "$src/etc/qvld/qvld.yaml" > "$dist"
+  local config="$destdir/etc/qvld/qvld.yaml"
+  if [ ! -e "$config" ]; then
+    install -D -m 0644 "$dist" "$config"
+  elif ! cmp -s "$dist" "$config"; then
+    install -D -m 0644 "$dist" "$config.dist"
+    echo "install.sh: kept your edited $config; the new default is $config.dist" >&2
+  else
+    rm -f "$config.dist"
+  fi
+  rm -f "$dist"
+
+  if command -v systemd-sysusers >/dev/null; then
+    systemd-sysusers ${destdir:+--root="$destdir"} /usr/lib/sysusers.d/qvld.conf
+  fi
+  if command -v systemd-tmpfiles >/dev/null; then
+    systemd-tmpfiles ${destdir:+--root="$destdir"} --create /usr/lib/tmpfiles.d/qvld.conf
+  fi
+  if systemd_running; then
+    systemctl daemon-reload
+    echo "installed; start with: systemctl enable --now qvld.socket (set model.path in" \
+         "/etc/qvld/qvld.yaml first)" >&2
+  fi
+}
+
+do_uninstall() {
+  if systemd_running; then
+    systemctl disable --now qvld.socket qvld.service 2>/dev/null || true
+  fi
+  for f in "${files[@]}"; do
+    rm -f "$destdir$f"
+  done
+  rmdir "$destdir/usr/share/doc/qvld" 2>/dev/null || true
+  rm -rf "$destdir/opt/qvld"
+  rm -f "$destdir/etc/qvld/qvld.yaml.dist"
+  if [ "$purge" = yes ]; then
+    rm -rf "$destdir/etc/qvld" "$destdir/var/lib/qvld" "$destdir/var/cache/qvld"
+  fi
+  if systemd_running; then
+    systemctl daemon-reload
+  fi
+}
+
+"do_$action"

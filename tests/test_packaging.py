@@ -1,0 +1,118 @@
+"""Units, users, directories and the installer, checked as installed (in a sandbox)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import sandbox
+from tests.conftest import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_sandbox = pytest.mark.skipif(not sandbox.available(), reason="needs root and unshare")
+
+INSTALLED = ["/usr/lib/systemd/system/qvld.service", "/usr/lib/systemd/system/qvld.socket",
+             "/usr/lib/sysusers.d/qvld.conf", "/usr/lib/tmpfiles.d/qvld.conf",
+             "/usr/bin/qvld", "/usr/bin/qvlctl",
+             "/usr/share/doc/qvld/README.md", "/opt/qvld/venv/bin/qvld"]
+# A listing of everything the installer owns, with contents, to compare two runs.
+SNAPSHOT = (
+    "find /opt/qvld/venv/bin /usr/lib/systemd/system/qvld.* /usr/lib/sysusers.d/qvld.conf "
+    "/usr/lib/tmpfiles.d/qvld.conf /usr/bin/qvld /usr/bin/qvlctl /etc/qvld "
+    "/var/lib/qvld /var/cache/qvld /run/qvld -printf '%p %m %u %g %l\\n' | sort; "
+    "md5sum /usr/lib/systemd/system/qvld.* /etc/qvld/qvld.yaml; "
+    "getent passwd qvld | cut -d: -f1,6,7; getent group qvl qvl-admin | cut -d: -f1,4"
+)
+
+
+@needs_sandbox
+@pytest.mark.slow
+def test_install_verify_idempotent_uninstall() -> None:
+    script = f"""
+set -e
+cd {ROOT}
+packaging/install.sh --python {sys.base_prefix}/bin/python3 >/dev/null
+echo "== first"; {SNAPSHOT}
+echo "== verify"; systemd-analyze verify /usr/lib/systemd/system/qvld.service \
+    /usr/lib/systemd/system/qvld.socket 2>&1; echo "verify-rc $?"
+echo "== security"; systemd-analyze security --offline=yes qvld.service 2>&1 | tail -1
+echo "== preflight"; /usr/bin/qvld preflight --set model.path={TINY} >/dev/null && echo ran
+echo "== mdwe"; /opt/qvld/venv/bin/python -c 'import qvld' && echo importable
+packaging/install.sh --python {sys.base_prefix}/bin/python3 >/dev/null
+echo "== second"; {SNAPSHOT}
+echo "== edit"
+echo "edited: true" >> /etc/qvld/qvld.yaml
+packaging/install.sh --python {sys.base_prefix}/bin/python3 2>&1 >/dev/null | tail -1
+test -e /etc/qvld/qvld.yaml.dist && grep -q "edited: true" /etc/qvld/qvld.yaml && echo kept-edit
+mkdir -p /var/lib/qvld/models/mine && touch /var/lib/qvld/models/mine/weights.bin
+packaging/install.sh --uninstall
+echo "== after uninstall"
+for f in {" ".join(INSTALLED)}; do test -e $f && echo "left $f"; done
+test -d /etc/qvld && test -e /var/lib/qvld/models/mine/weights.bin && echo kept-data
+packaging/install.sh --uninstall --purge
+test -e /etc/qvld || test -e /var/lib/qvld || echo purged
+"""
+    out = sandbox.run_in_sandbox(script)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    sections = dict(re.findall(r"== (\w[\w ]*)\n(.*?)(?=\n== |\Z)", text, re.S))
+    assert sections["first"] == sections["second"]  # idempotent
+    assert "qvld:/var/lib/qvld:/usr/sbin/nologin" in sections["first"]
+    assert "/run/qvld 750 qvld qvl" in sections["first"]
+    # systemd-analyze verify prints nothing at all for the installed units.
+    assert sections["verify"].strip() == "verify-rc 0", sections["verify"]
+    exposure = float(re.search(r"exposure level for qvld.service: ([\d.]+)",
+                               sections["security"]).group(1))  # type: ignore[union-attr]
+    assert exposure <= 2.0
+    print(f"systemd-analyze security: exposure {exposure}")
+    assert "ran" in sections["preflight"]
+    assert "kept-edit" in text
+    uninstall = sections["after uninstall"]
+    assert "left " not in uninstall and "kept-data" in uninstall and "purged" in uninstall
+
+
+def test_units_name_what_the_installer_installs() -> None:
+    service = (ROOT / "packaging/systemd/qvld.service").read_text()
+    socket_unit = (ROOT / "packaging/systemd/qvld.socket").read_text()
+    assert "ExecStart=/usr/bin/qvld " in service
+    assert "RestartPreventExitStatus=78" in service and "Type=notify" in service
+    assert "RuntimeDirectory=" not in service.replace("no RuntimeDirectory=", "")
+    assert not re.search(r"^MemoryDenyWriteExecute", service, re.M)
+    assert "ListenStream=/run/qvld/qvld.sock" in socket_unit
+    assert "SocketMode=0660" in socket_unit and "SocketGroup=qvl" in socket_unit
+    config = (ROOT / "etc/qvld/qvld.yaml").read_text()
+    assert "socket: /run/qvld/qvld.sock" in config
+
+
+PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN = 65, 1
+
+
+def mdwe_supported() -> bool:
+    code = "import ctypes,sys; sys.exit(ctypes.CDLL(None).prctl(65, 1, 0, 0, 0) != 0)"
+    return subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.skipif(not mdwe_supported(), reason="kernel without PR_SET_MDWE (Linux < 6.3)")
+def test_openvino_cannot_run_under_memory_deny_write_execute() -> None:
+    # MemoryDenyWriteExecute= forbids memory that becomes executable after being
+    # writable; the kernel's per-process MDWE enforces the same rule.
+    code = f"""
+import ctypes, sys
+assert ctypes.CDLL(None).prctl({PR_SET_MDWE}, {PR_MDWE_REFUSE_EXEC_GAIN}, 0, 0, 0) == 0
+from qvld.config import Config, ModelConfig
+from qvld.engine import Engine, GenerateRequest
+engine = Engine(Config(model=ModelConfig(path=sys.argv[1])))
+engine.generate(GenerateRequest(messages=[{{"role": "user", "content": "Hi"}}], max_tokens=2))
+print("ran")
+"""
+    blocked = subprocess.run([sys.executable, "-c", code, str(TINY)], capture_output=True,
+                             text=True, timeout=120, check=False)
+    assert blocked.returncode != 0 and "ran" not in blocked.stdout
+    free = subprocess.run([sys.executable, "-c", code.replace("assert ctypes", "# ctypes"),
+                           str(TINY)], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert free.returncode == 0 and "ran" in free.stdout, free.stderr
