@@ -14,7 +14,9 @@ set -euo pipefail
 
 src=$(cd "$(dirname "$0")/.." && pwd)
 destdir=""
-python=${PYTHON:-python3}
+# The system interpreter by default: the venv's python must stay reachable under the
+# unit's ProtectHome= (a pyenv or conda under /root or /home would not be).
+python=${PYTHON:-$( [ -x /usr/bin/python3 ] && echo /usr/bin/python3 || echo python3 )}
 action=install
 purge=no
 while [ $# -gt 0 ]; do

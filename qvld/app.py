@@ -259,6 +259,10 @@ class App:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        if os.environ.get("QVLD_DEBUG_FREEZE_ON_SIGUSR2") == "1":
+            # Test-only: SIGUSR2 blocks the event loop, as a hung daemon would, so that
+            # tests can watch systemd's watchdog restart it.
+            loop.add_signal_handler(signal.SIGUSR2, time.sleep, 10**6)
         background: list[asyncio.Task[None]] = []
         prepare = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qvld-prepare")
         policy = AccessPolicy(self.config.server)

@@ -47,6 +47,13 @@ class DaemonState:
             raise Unavailable(f"the daemon is {self.state}")
         return self.engine
 
+    async def wait_engine(self, timeout: float) -> Engine:
+        """The engine; while loading (e.g. just socket-activated), wait for it."""
+        deadline = time.monotonic() + timeout
+        while self.state == "loading" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.require_engine()
+
 
 def _int(params: dict[str, Any], key: str) -> int | None:
     value = params.get(key)
@@ -211,7 +218,6 @@ class Handlers:
         return self.state.config.model_dump(mode="json")
 
     async def generate(self, ctx: RequestContext) -> dict[str, Any]:
-        engine = self.state.require_engine()
         request, stream = parse_generate(ctx.request.params)
         request.uid = ctx.peer.uid
         limit = self.state.config.server.request_timeout_s
@@ -220,6 +226,8 @@ class Handlers:
             raise BadRequest("deadline_s must be > 0")
         timeout = min(deadline_s or limit, limit)
         job_deadline = time.monotonic() + timeout
+        # A request that woke the daemon (socket activation) waits for the model.
+        engine = await self.state.wait_engine(timeout)
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(self.prepare_executor, engine.prepare, request)
         rid = ctx.request.id

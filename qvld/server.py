@@ -15,6 +15,7 @@ import grp
 import itertools
 import logging
 import os
+import pwd
 import socket
 import stat
 import struct
@@ -47,11 +48,15 @@ class Peer:
     def of(cls, sock: socket.socket) -> Peer:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, uid, gid = struct.unpack("3i", creds)
-        return cls(pid, uid, gid, frozenset({gid}) | _process_groups(pid))
+        groups = _process_groups(pid)
+        if groups is None:
+            groups = _user_groups(uid, gid)
+        return cls(pid, uid, gid, frozenset({gid}) | groups)
 
 
-def _process_groups(pid: int) -> frozenset[int]:
-    """Supplementary groups of the peer process (from /proc, which is authoritative)."""
+def _process_groups(pid: int) -> frozenset[int] | None:
+    """Supplementary groups of the peer process, from /proc (authoritative); None when
+    /proc does not show other users' processes (ProtectProc=invisible in the unit)."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as status:
             for line in status:
@@ -59,7 +64,15 @@ def _process_groups(pid: int) -> frozenset[int]:
                     return frozenset(int(g) for g in line.split()[1:])
     except (OSError, ValueError):
         pass
-    return frozenset()
+    return None
+
+
+def _user_groups(uid: int, gid: int) -> frozenset[int]:
+    """The groups the user database gives ``uid`` (the fallback to /proc)."""
+    try:
+        return frozenset(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+    except (KeyError, OSError):
+        return frozenset()
 
 
 class AccessPolicy:

@@ -35,18 +35,18 @@ def test_install_verify_idempotent_uninstall() -> None:
     script = f"""
 set -e
 cd {ROOT}
-packaging/install.sh --python {sys.base_prefix}/bin/python3 >/dev/null
+packaging/install.sh >/dev/null
 echo "== first"; {SNAPSHOT}
 echo "== verify"; systemd-analyze verify /usr/lib/systemd/system/qvld.service \
     /usr/lib/systemd/system/qvld.socket 2>&1; echo "verify-rc $?"
 echo "== security"; systemd-analyze security --offline=yes qvld.service 2>&1 | tail -1
 echo "== preflight"; /usr/bin/qvld preflight --set model.path={TINY} >/dev/null && echo ran
 echo "== mdwe"; /opt/qvld/venv/bin/python -c 'import qvld' && echo importable
-packaging/install.sh --python {sys.base_prefix}/bin/python3 >/dev/null
+packaging/install.sh >/dev/null
 echo "== second"; {SNAPSHOT}
 echo "== edit"
 echo "edited: true" >> /etc/qvld/qvld.yaml
-packaging/install.sh --python {sys.base_prefix}/bin/python3 2>&1 >/dev/null | tail -1
+packaging/install.sh 2>&1 >/dev/null | tail -1
 test -e /etc/qvld/qvld.yaml.dist && grep -q "edited: true" /etc/qvld/qvld.yaml && echo kept-edit
 mkdir -p /var/lib/qvld/models/mine && touch /var/lib/qvld/models/mine/weights.bin
 packaging/install.sh --uninstall

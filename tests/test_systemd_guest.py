@@ -1,0 +1,138 @@
+"""qvld installed into a real systemd (252) and driven as an operator would.
+
+The guest is a throw-away overlay of this machine with systemd as PID 1 of fresh
+namespaces (tests/guest.py); nothing of the host changes."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import guest as guest_module
+from tests.guest import Guest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not guest_module.available(), reason="needs root, unshare, nsenter and cgroup2")]
+
+SOCKET = "/run/qvld/qvld.sock"
+QUESTION = f"{ROOT}/examples/receipt.png 'What is the total?'"
+
+
+@pytest.fixture(scope="module")
+def guest() -> Iterator[Guest]:
+    machine = Guest().boot()
+    try:
+        machine.run(f"""
+set -e
+cd {ROOT}
+packaging/install.sh >/dev/null
+cp -r {ROOT}/tests/fixtures/models/tiny /var/lib/qvld/models/qwen3-vl-2b
+chown -R qvld:qvld /var/lib/qvld/models
+# Keep the guest off the host's TCP ports (the network namespace is shared).
+sed -i 's|^  listen: .*|  listen: ""|' /etc/qvld/qvld.yaml
+systemctl enable --now qvld.socket
+""", timeout=600)
+        yield machine
+    finally:
+        machine.shutdown()
+
+
+def qvlctl(machine: Guest, args: str, user: str | None = None, check: bool = True
+           ) -> tuple[int, str, str]:
+    out = machine.run(f"/usr/bin/qvlctl {args}", check=False, user=user)
+    if check:
+        assert out.returncode == 0, out.stdout + out.stderr
+    return out.returncode, out.stdout, out.stderr
+
+
+def show(machine: Guest, prop: str, unit: str = "qvld.service") -> str:
+    return machine.run(f"systemctl show -p {prop} --value {unit}").stdout.strip()
+
+
+def test_socket_listens_0660_group_qvl_before_the_service(guest: Guest) -> None:
+    assert guest.run(f"stat -c '%a %U %G' {SOCKET}").stdout.strip() == "660 qvld qvl"
+    assert show(guest, "ActiveState", "qvld.socket") == "active"
+    assert show(guest, "ActiveState") == "inactive"
+
+
+def test_first_ask_activates_the_service(guest: Guest) -> None:
+    _, out, err = qvlctl(guest, f"ask {QUESTION} --max-tokens 8")
+    assert "TTFT" in err and out.strip()
+    assert show(guest, "ActiveState") == "active"
+    status = guest.run("systemctl status qvld.service --no-pager", check=False).stdout
+    assert "Active: active (running)" in status
+    assert re.search(r"Status: \"ready: ", status), status
+    assert show(guest, "User") == "qvld"
+
+
+def test_journal_holds_the_request_log(guest: Guest) -> None:
+    journal = guest.run("journalctl -u qvld --no-pager -o cat").stdout
+    assert "op=generate outcome=ok" in journal
+    assert "tuning pin_cpus:" in journal
+
+
+def test_reload_keeps_serving(guest: Guest) -> None:
+    pid = show(guest, "MainPID")
+    guest.run("systemctl reload qvld.service")
+    deadline = time.monotonic() + 60
+    while "reload done" not in guest.run("journalctl -u qvld --no-pager -o cat").stdout:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert show(guest, "MainPID") == pid
+    qvlctl(guest, f"ask {QUESTION} --max-tokens 4")
+
+
+def test_outsider_is_refused_and_a_qvl_member_is_served(guest: Guest) -> None:
+    guest.run("useradd --no-create-home outsider && useradd --no-create-home -G qvl alice")
+    code, _, err = qvlctl(guest, "health", user="outsider", check=False)
+    assert code == 3 and "Permission denied" in err
+    code, out, _ = qvlctl(guest, "health", user="alice", check=False)
+    assert code == 0 and out.strip() == "ready"
+    code, _, err = qvlctl(guest, "reload", user="alice", check=False)
+    assert code == 7 and "forbidden" in err  # qvl is not qvl-admin
+
+
+def test_stop_drains_and_the_socket_reactivates(guest: Guest) -> None:
+    guest.run("(/usr/bin/qvlctl ask --json --max-tokens 400 'Tell me everything' "
+              "> /root/long.json 2>&1; echo done >> /root/long.json) &")
+    time.sleep(0.5)
+    guest.run("systemctl stop qvld.service")
+    assert show(guest, "ActiveState") == "inactive"
+    result = guest.run("cat /root/long.json").stdout
+    answer = json.loads(result.splitlines()[0])
+    assert answer["finish_reason"] in ("length", "stop", "cancelled")
+    journal = guest.run("journalctl -u qvld --no-pager -o cat").stdout
+    assert "draining" in journal
+    # The socket outlived the service and starts it again.
+    assert show(guest, "ActiveState", "qvld.socket") == "active"
+    assert guest.run(f"test -S {SOCKET} && echo yes").stdout.strip() == "yes"
+    qvlctl(guest, f"ask {QUESTION} --max-tokens 4")
+    assert show(guest, "ActiveState") == "active"
+
+
+def test_a_hung_daemon_is_restarted_by_the_watchdog(guest: Guest) -> None:
+    guest.run("""
+mkdir -p /etc/systemd/system/qvld.service.d
+printf '[Service]\\nWatchdogSec=3s\\nEnvironment=QVLD_DEBUG_FREEZE_ON_SIGUSR2=1\\n' \
+  > /etc/systemd/system/qvld.service.d/watchdog-test.conf
+systemctl daemon-reload
+systemctl restart qvld.service
+""")
+    qvlctl(guest, "health")
+    pid = show(guest, "MainPID")
+    restarts = int(show(guest, "NRestarts"))
+    guest.run("systemctl kill -s USR2 qvld.service")
+    deadline = time.monotonic() + 60
+    while show(guest, "MainPID") in (pid, "0") or show(guest, "ActiveState") != "active":
+        assert time.monotonic() < deadline, guest.run("journalctl -u qvld -n 30").stdout
+        time.sleep(0.5)
+    assert int(show(guest, "NRestarts")) == restarts + 1
+    journal = guest.run("journalctl -u qvld --no-pager").stdout
+    assert "Watchdog timeout" in journal
+    qvlctl(guest, "health")
