@@ -8,7 +8,7 @@ CONVERT := $(VENV)/.stamp-convert
 PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
-.PHONY: run test test-reference lint check-packaging install uninstall fixtures clean
+.PHONY: run test test-reference lint check-packaging install uninstall deb fixtures clean
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ install:
 
 uninstall:
 	packaging/install.sh --uninstall
+
+# A Debian package from the same files (dist/qvld_VERSION_ARCH.deb).
+deb:
+	packaging/deb/build.sh dist
 
 # Rebuild the committed tiny model and its transformers reference (deterministic).
 fixtures: $(CONVERT)

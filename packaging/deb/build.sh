@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build the Debian package from the same files the installer uses.
+#   packaging/deb/build.sh [OUT_DIR]        (VERSION=0.1.0-1 by default)
+set -euo pipefail
+src=$(cd "$(dirname "$0")/../.." && pwd)
+out=${1:-$src/dist}
+upstream=$(sed -n 's/^version = "\(.*\)"/\1/p' "$src/pyproject.toml")
+version=${VERSION:-$upstream-1}
+python=/usr/bin/python3
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+root=$work/root
+venv=/opt/qvld/venv
+
+# The virtualenv, built in the staging tree and then moved in place: only its scripts'
+# shebangs name the staging path.
+"$python" -m venv "$root$venv"
+"$root$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$src"
+"$root$venv/bin/python" -m pip uninstall --quiet -y pip setuptools wheel >/dev/null 2>&1 || true
+grep -rlI --null "$root$venv" "$root$venv/bin" "$root$venv/pyvenv.cfg" |
+  xargs -0 -r sed -i "s|$root$venv|$venv|g"
+find "$root$venv" -name __pycache__ -type d -prune -exec rm -rf {} +
+
+install -d "$root/usr/bin"
+ln -s "$venv/bin/qvld" "$root/usr/bin/qvld"
+ln -s "$venv/bin/qvlctl" "$root/usr/bin/qvlctl"
+install -D -m 0644 "$src/packaging/systemd/qvld.service" "$root/lib/systemd/system/qvld.service"
+install -D -m 0644 "$src/packaging/systemd/qvld.socket" "$root/lib/systemd/system/qvld.socket"
+install -D -m 0644 "$src/packaging/sysusers.d/qvld.conf" "$root/usr/lib/sysusers.d/qvld.conf"
+install -D -m 0644 "$src/packaging/tmpfiles.d/qvld.conf" "$root/usr/lib/tmpfiles.d/qvld.conf"
+install -d "$root/etc/qvld"
+sed -e 's|^  path: ~ |  path: /var/lib/qvld/models/qwen3-vl-2b |' \
+    -e 's|^  cache_dir: ~  |  cache_dir: /var/cache/qvld|' \
+    "$src/etc/qvld/qvld.yaml" > "$root/etc/qvld/qvld.yaml"
+chmod 0644 "$root/etc/qvld/qvld.yaml"
+doc=$root/usr/share/doc/qvld
+install -D -m 0644 "$src/README.md" "$doc/README.md"
+printf 'qvld is licensed under the Apache License 2.0.\nOn Debian systems, see /usr/share/common-licenses/Apache-2.0.\nThe bundled Python packages under /opt/qvld/venv carry their own licenses.\n' > "$doc/copyright"
+printf 'qvld (%s) unstable; urgency=medium\n\n  * Package built from the qvld source tree.\n\n -- qvld developers <qvld@localhost>  %s\n' \
+  "$version" "$(date -R)" | gzip -9n > "$doc/changelog.Debian.gz"
+
+install -d "$root/DEBIAN"
+size=$(du -sk "$root" | cut -f1)
+cat > "$root/DEBIAN/control" <<CONTROL
+Package: qvld
+Version: $version
+Architecture: $(dpkg --print-architecture)
+Maintainer: qvld developers <qvld@localhost>
+Installed-Size: $size
+Depends: python3 (>= 3.11), python3 (<< 3.12), systemd
+Section: misc
+Priority: optional
+Homepage: https://example.invalid/qvld
+Description: vision-language daemon for plain CPUs (Qwen3-VL on OpenVINO)
+ qvld answers questions about images with Qwen3-VL on CPUs through OpenVINO,
+ serving msgpack frames over a Unix socket, with Prometheus metrics, preflight
+ checks and the qvlctl client. Managed by systemd (socket activation).
+CONTROL
+echo /etc/qvld/qvld.yaml > "$root/DEBIAN/conffiles"
+for script in postinst prerm postrm; do
+  install -m 0755 "$src/packaging/deb/$script" "$root/DEBIAN/$script"
+done
+mkdir -p "$out"
+dpkg-deb --root-owner-group -Zgzip -z3 --build "$root" "$out/qvld_${version}_$(dpkg --print-architecture).deb" >/dev/null
+echo "$out/qvld_${version}_$(dpkg --print-architecture).deb"

@@ -1,0 +1,69 @@
+"""The Debian package: install, upgrade and purge inside a real systemd guest."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import guest as guest_module
+from tests.guest import Guest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not guest_module.available(), reason="needs root, unshare, nsenter and cgroup2")]
+
+
+@pytest.fixture(scope="module")
+def debs() -> Iterator[tuple[Path, Path]]:
+    # Outside /tmp: the guest has a /tmp of its own.
+    out = Path(tempfile.mkdtemp(prefix="qvld-debs-", dir="/var/tmp"))
+    built = []
+    for version in ("0.1.0-1", "0.1.0-2"):
+        result = subprocess.run([str(ROOT / "packaging/deb/build.sh"), str(out)],
+                                capture_output=True, text=True, check=False, timeout=600,
+                                env={**os.environ, "VERSION": version})
+        assert result.returncode == 0, result.stderr
+        built.append(Path(result.stdout.strip().splitlines()[-1]))
+    yield built[0], built[1]
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def test_install_upgrade_purge(debs: tuple[Path, Path]) -> None:
+    first, second = debs
+    machine = Guest().boot()
+    try:
+        machine.run(f"""
+set -e
+dpkg -i {first} >/dev/null
+cp -r {ROOT}/tests/fixtures/models/tiny /var/lib/qvld/models/qwen3-vl-2b
+chown -R qvld:qvld /var/lib/qvld/models
+sed -i 's|^  listen: .*|  listen: ""  # edited by the admin|' /etc/qvld/qvld.yaml
+""")
+        assert machine.run("systemctl is-active qvld.socket").stdout.strip() == "active"
+        assert machine.run("stat -c '%a %G' /run/qvld/qvld.sock").stdout.strip() == "660 qvl"
+        machine.run(f"qvlctl ask {ROOT}/examples/receipt.png 'Total?' --max-tokens 4")
+        assert machine.run("systemctl is-active qvld.service").stdout.strip() == "active"
+        socket_since = machine.run(
+            "systemctl show -p ActiveEnterTimestampMonotonic --value qvld.socket").stdout
+        upgrade = machine.run(f"dpkg -i {second} 2>&1")
+        assert "conffile" not in upgrade.stdout.lower() or "keep" in upgrade.stdout.lower()
+        assert machine.run("dpkg-query -W -f '${Version}' qvld").stdout == "0.1.0-2"
+        assert "edited by the admin" in machine.run("cat /etc/qvld/qvld.yaml").stdout
+        # The socket stayed up through the upgrade; the daemon came back on the new code.
+        assert machine.run("systemctl show -p ActiveEnterTimestampMonotonic --value "
+                           "qvld.socket").stdout == socket_since
+        machine.run(f"qvlctl ask {ROOT}/examples/receipt.png 'Total?' --max-tokens 4")
+        machine.run("apt-get purge -y qvld >/dev/null 2>&1")
+        left = machine.run("ls -d /opt/qvld /etc/qvld /var/lib/qvld /var/cache/qvld "
+                           "/lib/systemd/system/qvld.service /usr/bin/qvld 2>/dev/null; "
+                           "dpkg-query -W -f '${Status}' qvld 2>&1", check=False).stdout
+        assert "/" not in left.split("dpkg-query")[0].replace("no packages found", ""), left
+        assert "installed" not in left.replace("not-installed", "")
+    finally:
+        machine.shutdown()
