@@ -201,6 +201,28 @@ def cmd_reload(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_model(args: argparse.Namespace) -> int:
+    """The model commands work on directories: no daemon involved."""
+    from qvlctl import model
+
+    if args.model_command == "convert":
+        return model.convert(args.src, args.dst, args.weights, args.group_size, args.ratio)
+    if args.model_command == "info":
+        document = model.info(args.dir)
+        print(json.dumps(document, indent=2) if args.json else model.render_info(document))
+        return EXIT_OK if document.get("loadable") else EXIT_REFUSED
+    report = model.verify(args.dir, args.reference)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for row in report["results"]:
+            print(f"{'ok  ' if row['exact'] else 'DIFF'} {row['name']}: "
+                  f"{row['agreeing']}/{row['tokens']} tokens agree")
+        print(f"{report['exact']}/{report['cases']} cases exact, token agreement "
+              f"{report['token_agreement']:.1%}")
+    return EXIT_OK if report["exact"] == report["cases"] else EXIT_INTERNAL
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qvlctl", description="Query and manage the qvld vision-language daemon.",
@@ -241,6 +263,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="images for the first message")
     chat.set_defaults(func=cmd_chat)
 
+    model = sub.add_parser("model", help="convert, inspect and verify model directories")
+    msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    conv = msub.add_parser("convert", help="checkpoint (directory or hub id) -> OpenVINO "
+                                           "export qvld serves (needs the convert extra)")
+    conv.add_argument("src")
+    conv.add_argument("dst", type=Path)
+    conv.add_argument("--weights", choices=["int4", "int8", "fp16", "fp32"], default="int8")
+    conv.add_argument("--group-size", dest="group_size", type=int,
+                      help="int4 group size (default 128)")
+    conv.add_argument("--ratio", type=float, help="int4: share of layers in 4 bits")
+    minfo = msub.add_parser("info", help="what a model directory holds")
+    minfo.add_argument("dir", type=Path)
+    minfo.add_argument("--json", action="store_true")
+    mver = msub.add_parser("verify", help="run reference cases, report token agreement")
+    mver.add_argument("dir", type=Path)
+    mver.add_argument("--reference", type=Path)
+    mver.add_argument("--json", action="store_true")
+    model.set_defaults(func=None, offline=cmd_model)
+
     pre = sub.add_parser("preflight", help="the daemon's system checks and applied tuning")
     pre.add_argument("--json", action="store_true")
     pre.set_defaults(func=cmd_preflight)
@@ -271,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "offline", None) is not None:
+            return int(args.offline(args))
         with Client(args.socket, timeout=args.timeout) as client:
             return int(args.func(client, args))
     except UsageError as exc:

@@ -1,0 +1,218 @@
+"""`qvlctl model convert|info|verify`: from a checkpoint to a directory qvld serves.
+
+Imported only when a `model` command runs: it needs the engine (info, verify) and the
+`convert` extra (convert), which `qvlctl`'s other commands never load.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+# Files the engine reads besides the IRs, copied from the checkpoint.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "vocab.json", "merges.txt", "preprocessor_config.json", "chat_template.jinja",
+              "chat_template.json", "generation_config.json", "config.json")
+SUBMODELS = ("language_model", "text_embeddings_model", "vision_embeddings_model",
+             "vision_embeddings_pos_model", "vision_embeddings_merger_model")
+
+
+def _say(text: str) -> None:
+    print(f"qvlctl model: {text}", file=sys.stderr, flush=True)
+
+
+def resolve_source(src: str) -> Path:
+    """A local checkpoint directory, or a hub id downloaded where the hub is reachable."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path
+    _say(f"{src} is not a local directory; downloading it from the Hugging Face hub")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(src))
+
+
+def export(src: Path, dst: Path, weights: str, group_size: int | None,
+           ratio: float | None) -> None:
+    """optimum-intel's export API, in this process, into ``dst`` (which must not exist)."""
+    from optimum.intel import OVModelForVisualCausalLM, OVWeightQuantizationConfig
+
+    kwargs: dict[str, Any] = {"export": True}
+    if weights in ("int8", "int4"):
+        bits = 8 if weights == "int8" else 4
+        options: dict[str, Any] = {"bits": bits, "sym": False}
+        if bits == 4:
+            options["group_size"] = group_size or 128
+            options["ratio"] = 1.0 if ratio is None else ratio
+        kwargs["quantization_config"] = OVWeightQuantizationConfig(**options)
+    else:
+        kwargs["load_in_8bit"] = False
+    model = OVModelForVisualCausalLM.from_pretrained(src, **kwargs)
+    if weights == "fp16":
+        model.half()
+    model.save_pretrained(dst)
+    for name in SIDE_FILES:
+        if (src / name).is_file() and not (dst / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def check_serves(path: Path) -> str:
+    """Load the result with the engine and answer one question about an image."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from qvld.config import Config, EngineConfig, ModelConfig
+    from qvld.engine import Engine, GenerateRequest
+
+    engine = Engine(Config(model=ModelConfig(path=path), engine=EngineConfig(infer_requests=1)))
+    pixels = (np.indices((64, 96)).sum(0) % 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).convert("RGB").save(buf, "PNG")
+    result = engine.generate(GenerateRequest(messages=[{"role": "user", "content": [
+        {"type": "image", "image": buf.getvalue()},
+        {"type": "text", "text": "What is in this picture?"}]}], max_tokens=8,
+        temperature=0.0))
+    return result.text
+
+
+def convert(src: str, dst: Path, weights: str, group_size: int | None,
+            ratio: float | None) -> int:
+    if dst.exists():
+        _say(f"{dst} exists; remove it or choose another destination")
+        return 2
+    source = resolve_source(src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    # Everything is written beside the destination and renamed into place at the end:
+    # an interrupted or failed conversion leaves no half directory behind.
+    partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        t0 = time.perf_counter()
+        _say(f"exporting {source} with {weights} weights (this takes a while)")
+        export(source, partial, weights, group_size, ratio)
+        _say(f"exported in {time.perf_counter() - t0:.0f} s; checking it answers")
+        answer = check_serves(partial)
+        partial.rename(dst)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _say(f"ok: {dst} serves (sample answer: {answer[:60]!r})")
+    return 0
+
+
+def weight_formats(xml: Path) -> dict[str, int]:
+    """Bytes of constants per element type in one IR (where the weights are)."""
+    import openvino as ov
+
+    sizes: Counter[str] = Counter()
+    for node in ov.Core().read_model(xml).get_ordered_ops():
+        if node.get_type_name() == "Constant":
+            output = node.get_output_element_type(0)
+            shape = node.get_output_shape(0)
+            count = 1
+            for dim in shape:
+                count *= int(dim)
+            sizes[output.get_type_name()] += count * output.bitwidth // 8
+    return dict(sizes.most_common())
+
+
+def info(path: Path) -> dict[str, Any]:
+    from qvld.engine.model_dir import load_model_spec
+    from qvld.errors import ModelInvalid
+
+    document: dict[str, Any] = {"path": str(path)}
+    try:
+        spec = load_model_spec(path)
+    except ModelInvalid as exc:
+        document.update(loadable=False, error=str(exc))
+        return document
+    config = json.loads((path / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    document.update({
+        "model_type": config.get("model_type"),
+        "text": {k: text.get(k) for k in ("hidden_size", "num_hidden_layers",
+                                          "num_attention_heads", "num_key_value_heads",
+                                          "head_dim", "vocab_size",
+                                          "max_position_embeddings")},
+        "vision": {k: vision.get(k) for k in ("depth", "hidden_size", "num_heads",
+                                              "patch_size", "spatial_merge_size",
+                                              "deepstack_visual_indexes")},
+        "image_pixels": {"min": spec.vision.min_pixels, "max": spec.vision.max_pixels},
+        "chat_template": bool(spec.chat_template),
+        "size_bytes": sum(p.stat().st_size for p in path.iterdir() if p.is_file()),
+        "weights": {sub: weight_formats(path / f"openvino_{sub}.xml") for sub in SUBMODELS},
+    })
+    try:
+        from qvld.config import Config, EngineConfig, ModelConfig
+        from qvld.engine import Engine
+
+        Engine(Config(model=ModelConfig(path=path), engine=EngineConfig(infer_requests=1)))
+        document["loadable"] = True
+    except Exception as exc:  # what the engine says is the answer here
+        document.update(loadable=False, error=str(exc))
+    return document
+
+
+def render_info(document: dict[str, Any]) -> str:
+    if "text" not in document:
+        return f"{document['path']}: not a Qwen3-VL export: {document.get('error')}"
+    text, vision = document["text"], document["vision"]
+    lines = [
+        f"path:          {document['path']}",
+        f"model type:    {document['model_type']}",
+        f"text:          hidden {text['hidden_size']}, {text['num_hidden_layers']} layers, "
+        f"{text['num_attention_heads']}/{text['num_key_value_heads']} heads, vocab "
+        f"{text['vocab_size']}",
+        f"vision:        depth {vision['depth']}, hidden {vision['hidden_size']}, patch "
+        f"{vision['patch_size']}, deepstack {vision['deepstack_visual_indexes']}",
+        f"image pixels:  {document['image_pixels']['min']}..{document['image_pixels']['max']}",
+        f"chat template: {'yes' if document['chat_template'] else 'no'}",
+        f"size on disk:  {document['size_bytes'] / 2**20:.1f} MiB",
+    ]
+    for sub, formats in document["weights"].items():
+        total = sum(formats.values()) or 1
+        shares = ", ".join(f"{t} {b / total:.0%}" for t, b in formats.items() if b / total > 0.01)
+        lines.append(f"  {sub:<32} {shares}")
+    lines.append(f"loadable:      {'yes' if document['loadable'] else 'no: ' + document['error']}")
+    return "\n".join(lines)
+
+
+def verify(path: Path, reference: Path | None) -> dict[str, Any]:
+    """Run the reference cases at f32 and count exactly matching token ids."""
+    from qvld.config import Config, EngineConfig, ModelConfig
+    from qvld.engine import Engine, GenerateRequest
+
+    reference = reference or path / "reference.json"
+    cases = json.loads(reference.read_text())["cases"]
+    engine = Engine(Config(model=ModelConfig(path=path, precision="f32",
+                                             kv_cache_precision="f32"),
+                           engine=EngineConfig(infer_requests=1)))
+    images = reference.parent / "images"
+    exact = tokens = agree = 0
+    rows = []
+    for case in cases:
+        messages = []
+        for message in case["messages"]:
+            content = message["content"]
+            if isinstance(content, list):
+                content = [{"type": "image", "image": (images / p["image"]).read_bytes()}
+                           if p["type"] == "image" else p for p in content]
+            messages.append({**message, "content": content})
+        got = engine.generate(GenerateRequest(messages=messages, temperature=0.0,
+                                              max_tokens=case["max_new_tokens"])).token_ids
+        want = case["token_ids"]
+        same = sum(1 for a, b in zip(got, want, strict=False) if a == b)
+        exact += got == want
+        agree += same
+        tokens += len(want)
+        rows.append({"name": case["name"], "exact": got == want, "agreeing": same,
+                     "tokens": len(want)})
+    return {"cases": len(cases), "exact": exact, "token_agreement": agree / max(tokens, 1),
+            "results": rows}

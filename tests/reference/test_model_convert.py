@@ -1,0 +1,87 @@
+"""`qvlctl model convert|info` on a real (tiny) checkpoint, every weight format.
+
+Needs the `convert` extra: part of the reference tier (`make test-reference`)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Daemon
+
+pytestmark = [pytest.mark.reference, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+EXPECTED = {"fp32": {"f32"}, "fp16": {"f16"}, "int8": {"u8", "i8"}, "int4": {"u4", "i4"}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset as a Hugging Face checkpoint directory."""
+    out = tmp_path_factory.mktemp("checkpoint") / "tiny"
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
+            "import make_test_model as m; m.save_hf('tiny', Path(sys.argv[2]))")
+    subprocess.run([sys.executable, "-c", code, str(ROOT / "tools"), str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+def qvlctl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qvlctl.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "int8", "int4"])
+def test_convert_each_weight_format_and_serve_it(checkpoint: Path, tmp_path: Path,
+                                                 weights: str) -> None:
+    dst = tmp_path / f"tiny-{weights}"
+    out = qvlctl("model", "convert", str(checkpoint), str(dst), "--weights", weights)
+    assert out.returncode == 0, out.stderr
+    assert "serves" in out.stderr
+    assert not list(tmp_path.glob(".*partial*"))
+    info = json.loads(qvlctl("model", "info", str(dst), "--json").stdout)
+    assert info["loadable"] and info["model_type"] == "qwen3_vl"
+    language = info["weights"]["language_model"]
+    dominant = max(language, key=language.get)
+    assert dominant in EXPECTED[weights], language
+    assert info["text"]["hidden_size"] == 128 and info["chat_template"]
+    daemon = Daemon(tmp_path, model=dst).start()
+    try:
+        with daemon.client() as client:
+            result = client.generate({"messages": [{"role": "user", "content": "Hi"}],
+                                      "max_tokens": 4, "temperature": 0})
+        assert len(result["token_ids"]) == 4
+    finally:
+        assert daemon.stop() == 0
+    if weights == "fp32":  # the f32 export is the same model as the committed fixture
+        verify = qvlctl("model", "verify", str(dst), "--reference",
+                        str(ROOT / "tests/fixtures/models/tiny/reference.json"), "--json")
+        assert json.loads(verify.stdout)["token_agreement"] == 1.0, verify.stdout
+
+
+def test_an_interrupted_conversion_leaves_nothing(checkpoint: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "never"
+    proc = subprocess.Popen([sys.executable, "-m", "qvlctl.cli", "model", "convert",
+                             str(checkpoint), str(dst), "--weights", "int8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".never.partial-*")):  # the export has started
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert not dst.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_info_refuses_what_is_not_an_export(tmp_path: Path, checkpoint: Path) -> None:
+    out = qvlctl("model", "info", str(checkpoint))
+    assert out.returncode == 4
+    assert "lacks openvino_language_model.xml" in out.stdout
