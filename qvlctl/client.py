@@ -102,7 +102,13 @@ class Client:
              on_event: Callable[[dict[str, Any]], None] | None = None) -> Any:
         """Send one request and wait for its final reply; events go to ``on_event``."""
         rid = next(self._ids)
-        self.send({"id": rid, "op": op, "params": params or {}})
+        try:
+            self.send({"id": rid, "op": op, "params": params or {}})
+        except (BrokenPipeError, ConnectionResetError):
+            # The daemon closed the line mid-request (e.g. frame_too_large): its last
+            # frame says why.
+            reply = self.receive()
+            raise QvlError.from_wire(reply.get("error") or {}) from None
         while True:
             reply = self.receive()
             if reply.get("id") not in (rid, None):

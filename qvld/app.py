@@ -147,7 +147,7 @@ class App:
         self.metrics.set_preflight(self.preflight["checks"])
         for check in checks:
             level = {"fail": logging.ERROR, "warn": logging.WARNING}.get(check.status)
-            if level is not None:
+            if level is not None and check.id != "model":  # loading the model reports it
                 log.log(level, "preflight %s: %s: %s (remedy: %s)", check.id, check.status,
                         check.found, check.remedy)
         for action in actions:

@@ -202,7 +202,7 @@ class Server:
         finally:
             os.umask(old_umask)
         os.chmod(path, self.config.socket_mode_bits)
-        sock.listen(min(self.config.max_connections, socket.SOMAXCONN))
+        sock.listen(socket.SOMAXCONN)  # bursts queue here; max_connections is enforced on accept
         self._owned_path = path
         return sock
 
@@ -212,7 +212,7 @@ class Server:
             sock = self.bind()
         sock.setblocking(False)
         self._server = await asyncio.start_unix_server(
-            self._accept, sock=sock, limit=2 ** 16)
+            self._accept, sock=sock, limit=2 ** 16, backlog=socket.SOMAXCONN)
 
     @property
     def address(self) -> str:
@@ -256,8 +256,8 @@ class Server:
                 return
             self.connections.add(conn)
             await self._read_loop(conn)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the client left, or the server is closing: nothing to report
         finally:
             self.connections.discard(conn)
             conn.closed = True
@@ -323,8 +323,9 @@ class Server:
             try:
                 message = protocol.unpack(payload, self.config.max_frame_bytes)
             except QvlError as exc:
-                conn.send(protocol.error(None, exc))
+                # Count before replying: a client may scrape the metrics right after.
                 self._account(conn, None, None, exc.code, t0, {})
+                conn.send(protocol.error(None, exc))
                 continue
             rid = protocol.request_id(message)
             try:
@@ -332,9 +333,9 @@ class Server:
                 if request.id in conn.in_flight:
                     raise BadRequest(f"request id {request.id} is already in flight")
             except QvlError as exc:
-                conn.send(protocol.error(rid, exc))
                 op = message.get("op") if isinstance(message, dict) else None
                 self._account(conn, rid, op, exc.code, t0, {})
+                conn.send(protocol.error(rid, exc))
                 continue
             ctx = RequestContext(request=request, peer=conn.peer, connection=conn)
             conn.in_flight[request.id] = ctx

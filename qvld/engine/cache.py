@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from qvld.engine.image import PreparedImage
@@ -88,14 +88,18 @@ class Session:
     uid: int
     ids: list[int] = field(default_factory=list)
     images: list[PreparedImage] = field(default_factory=list)
+    image_starts: list[int] = field(default_factory=list)
     turns: int = 0
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def commit(self, ids: list[int], images: list[PreparedImage]) -> None:
+    def commit(self, ids: list[int], images: list[PreparedImage], starts: list[int]) -> None:
         self.ids = ids
-        self.images = images
+        self.image_starts = starts
+        # Keep what identifies each image, not its decoded pixels: the embedding cache
+        # (or decoding ``data`` again) serves a later rebuild of this history.
+        self.images = [replace(image, patches=None) for image in images]
         self.turns += 1
         self.last_used = time.monotonic()
 

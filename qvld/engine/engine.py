@@ -33,6 +33,7 @@ class PreparedRequest:
     max_tokens: int
     ids: list[int]
     images: list[PreparedImage]
+    image_starts: list[int]
     prepare_s: float
     session: Session | None = None
     session_turns: int = 0
@@ -150,17 +151,20 @@ class Engine:
             prepared.append(image)
         return prepared
 
-    def tokenize(self, request: GenerateRequest) -> tuple[list[int], list[PreparedImage]]:
-        """Template, tokenise, decode and patchify images; no inference yet."""
+    def tokenize(self, request: GenerateRequest
+                 ) -> tuple[list[int], list[PreparedImage], list[int]]:
+        """Template, tokenise, decode and patchify images; no inference yet.
+
+        Returns the ids, the images and the row where each image starts."""
         shown, images = self._check_messages(request.messages)
         text = self.template.render(shown, add_generation_prompt=True)
         prepared = self._prepare_images(request, images)
-        ids = expand_image_pads(self.tokenizer.encode(text), self.spec.image_token_id,
-                                [p.tokens for p in prepared])
-        return ids, prepared
+        ids, starts = expand_image_pads(self.tokenizer.encode(text), self.spec.image_token_id,
+                                        [p.tokens for p in prepared])
+        return ids, prepared, starts
 
     def tokenize_continuation(self, request: GenerateRequest, history: list[int]
-                              ) -> tuple[list[int], list[PreparedImage]]:
+                              ) -> tuple[list[int], list[PreparedImage], list[int]]:
         """The ids that follow a session's history: what the template renders after the
         last assistant turn (closing it if generation did not) for the new messages."""
         shown, images = self._check_messages(request.messages)
@@ -175,20 +179,18 @@ class Engine:
                 continuation.startswith(closing):
             continuation = continuation[len(closing):]  # generation already closed the turn
         prepared = self._prepare_images(request, images)
-        ids = expand_image_pads(self.tokenizer.encode(continuation), self.spec.image_token_id,
-                                [p.tokens for p in prepared])
-        return ids, prepared
+        ids, starts = expand_image_pads(self.tokenizer.encode(continuation),
+                                        self.spec.image_token_id, [p.tokens for p in prepared])
+        return ids, prepared, starts
 
-    def prompt_keys(self, ids: list[int], images: list[PreparedImage]
+    @staticmethod
+    def prompt_keys(ids: list[int], images: list[PreparedImage], starts: list[int]
                     ) -> list[tuple[int, bytes | None]]:
         """(token id, image digest) per row: equal keys mean equal KV rows."""
         keys: list[tuple[int, bytes | None]] = [(t, None) for t in ids]
-        rows = np.flatnonzero(np.asarray(ids) == self.spec.image_token_id)
-        offset = 0
-        for image in images:
-            for row in rows[offset:offset + image.tokens]:
+        for image, start in zip(images, starts, strict=True):
+            for row in range(start, start + image.tokens):
                 keys[row] = (ids[row], image.digest)
-            offset += image.tokens
         return keys
 
     def embed_image(self, slot: Slot, image: PreparedImage) -> tuple[ImageEmbedding, bool]:
@@ -204,22 +206,20 @@ class Engine:
         return embedding, False
 
     def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage],
-                 should_stop: Callable[[], bool] = _never, cached: int = 0) -> Prompt | None:
+                 starts: list[int], should_stop: Callable[[], bool] = _never,
+                 cached: int = 0) -> Prompt | None:
         """Lay out embeddings, masks and positions; encode the images on ``slot``.
 
         Images entirely inside the first ``cached`` rows (already in the KV cache) are
         not encoded. None when ``should_stop`` fired between images.
         """
         hidden, k = self.spec.hidden_size, self.spec.vision.deepstack_layers
-        visual_mask = np.asarray(ids) == self.spec.image_token_id
-        rows = np.flatnonzero(visual_mask)
+        visual_mask = np.zeros(len(ids), dtype=bool)
         embeds, deepstack = [], []
         hits = misses = 0
-        offset = 0
-        for image in images:
-            last_row = rows[offset + image.tokens - 1]
-            offset += image.tokens
-            if last_row < cached:
+        for image, start in zip(images, starts, strict=True):
+            visual_mask[start:start + image.tokens] = True
+            if start + image.tokens <= cached:
                 embeds.append(np.zeros((image.tokens, hidden), np.float32))
                 deepstack.append(np.zeros((k, image.tokens, hidden), np.float32))
                 continue
@@ -232,8 +232,9 @@ class Engine:
                 misses += 1
             embeds.append(embedding.embeds)
             deepstack.append(embedding.deepstack)
-        positions, delta = mrope_positions(ids, self.spec.image_token_id,
-                                           [image.merged_grid for image in images])
+        positions, delta = mrope_positions(
+            len(ids), [(start, *image.merged_grid) for image, start in zip(images, starts,
+                                                                           strict=True)])
         return Prompt(
             ids=ids,
             positions=positions,
@@ -243,7 +244,7 @@ class Engine:
             else np.zeros((0, hidden), np.float32),
             deepstack=np.concatenate(deepstack, axis=1) if deepstack
             else np.zeros((k, 0, hidden), np.float32),
-            keys=self.prompt_keys(ids, images),
+            keys=self.prompt_keys(ids, images, starts),
             image_cache_hits=hits,
             image_cache_misses=misses,
         )
@@ -263,15 +264,16 @@ class Engine:
             session = self.sessions.open(request.session, request.uid)
             history = len(session.ids)
         if session is not None and session.ids:
-            ids, images = self.tokenize_continuation(request, session.ids)
+            ids, images, starts = self.tokenize_continuation(request, session.ids)
         else:
-            ids, images = self.tokenize(request)
+            ids, images, starts = self.tokenize(request)
         if history + len(ids) + 1 > self.max_context:
             raise PromptTooLong(f"the prompt has {history + len(ids)} tokens; the context "
                                 f"holds {self.max_context} including at least one generated "
                                 "token" + (" (start a new session)" if history else ""))
         return PreparedRequest(request=request, params=params, max_tokens=max_tokens, ids=ids,
-                               images=images, prepare_s=time.perf_counter() - t0,
+                               images=images, image_starts=starts,
+                               prepare_s=time.perf_counter() - t0,
                                session=session, session_turns=session.turns if session else 0,
                                history_tokens=history)
 
@@ -284,7 +286,8 @@ class Engine:
         """Inference for a prepared request on a free slot (blocks until one is free)."""
         session = prepared.session
         if session is None:
-            return self._run(prepared, prepared.ids, prepared.images, on_token)
+            return self._run(prepared, prepared.ids, prepared.images, prepared.image_starts,
+                             on_token)
         if not session.lock.acquire(blocking=False):
             raise Busy(f"session {session.id!r} is answering another request")
         try:
@@ -293,27 +296,28 @@ class Engine:
                            "prepared; retry")
             ids = session.ids + prepared.ids
             images = session.images + prepared.images
-            result = self._run(prepared, ids, images, on_token)
-            session.commit(ids + result.token_ids, images)
+            starts = session.image_starts + [len(session.ids) + s for s in prepared.image_starts]
+            result = self._run(prepared, ids, images, starts, on_token)
+            session.commit(ids + result.token_ids, images, starts)
             return result
         finally:
             session.lock.release()
 
     def _run(self, prepared: PreparedRequest, ids: list[int], images: list[PreparedImage],
-             on_token: TokenCallback | None) -> GenerateResult:
+             starts: list[int], on_token: TokenCallback | None) -> GenerateResult:
         t0 = time.perf_counter()
         request = prepared.request
         should_stop = request.should_stop or _never
         sampler = Sampler(prepared.params, ids, self.spec.vocab_size)
         eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
-        keys = self.prompt_keys(ids, images)
+        keys = self.prompt_keys(ids, images, starts)
         with self.pool.acquire(keys) as slot:
             # Reuse the longest prefix in the KV cache, but always feed the last prompt
             # row: its logits give the first token.
             cached = min(common_prefix(slot.history, keys), len(ids) - 1)
             slot.trim(cached)
             t_vision = time.perf_counter()
-            prompt = self.assemble(slot, ids, images, should_stop, cached)
+            prompt = self.assemble(slot, ids, images, starts, should_stop, cached)
             image_s = prepared.prepare_s + time.perf_counter() - t_vision
             if prompt is None:
                 return self._cancelled(prepared, t0, image_s)

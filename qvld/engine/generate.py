@@ -14,39 +14,29 @@ from qvld.engine.sampling import Sampler, StopStrings
 from qvld.engine.types import FinishReason, TokenCallback
 
 
-def mrope_positions(ids: Sequence[int], image_token_id: int,
-                    grids: Sequence[tuple[int, int]]) -> tuple[np.ndarray, int]:
+def mrope_positions(length: int, images: Sequence[tuple[int, int, int]]
+                    ) -> tuple[np.ndarray, int]:
     """3-axis positions [3,S] and rope_delta, as transformers' ``get_rope_index``.
 
-    Text runs sequentially on all axes. The i-th image's ``gh*gw`` placeholder rows (merged
-    grid) at base position b get t=b, h=b+row, w=b+col; the text after it resumes at
-    b+max(gh, gw). ``rope_delta = max + 1 - S`` shifts every later decode step.
+    ``images`` are (start row, merged grid h, merged grid w) in prompt order. Text runs
+    sequentially on all axes. An image's gh*gw rows at base position b get t=b,
+    h=b+row, w=b+col; the text after it resumes at b+max(gh, gw).
+    ``rope_delta = max + 1 - S`` shifts every later decode step.
     """
-    n = len(ids)
-    pos = np.empty((3, n), dtype=np.int64)
-    ids_arr = np.asarray(ids)
-    i = img = 0
-    nxt = 0
-    while i < n:
-        if ids_arr[i] == image_token_id and img < len(grids):
-            gh, gw = grids[img]
-            count = gh * gw
-            pos[0, i:i + count] = nxt
-            pos[1, i:i + count] = nxt + np.repeat(np.arange(gh), gw)
-            pos[2, i:i + count] = nxt + np.tile(np.arange(gw), gh)
-            nxt += max(gh, gw)
-            i += count
-            img += 1
-            continue
-        # A run of text up to the next image placeholder.
-        end = n
-        if img < len(grids):
-            rest = np.flatnonzero(ids_arr[i:] == image_token_id)
-            end = i + int(rest[0]) if rest.size else n
-        pos[:, i:end] = nxt + np.arange(end - i)
-        nxt += end - i
-        i = end
-    delta = int(pos.max()) + 1 - n if n else 0
+    pos = np.empty((3, length), dtype=np.int64)
+    i = nxt = 0
+    for start, gh, gw in [*images, (length, 0, 0)]:
+        pos[:, i:start] = nxt + np.arange(start - i)  # the text before this image
+        nxt += start - i
+        if gh == 0:
+            break
+        count = gh * gw
+        pos[0, start:start + count] = nxt
+        pos[1, start:start + count] = nxt + np.repeat(np.arange(gh), gw)
+        pos[2, start:start + count] = nxt + np.tile(np.arange(gw), gh)
+        nxt += max(gh, gw)
+        i = start + count
+    delta = int(pos.max()) + 1 - length if length else 0
     return pos, delta
 
 

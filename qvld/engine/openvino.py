@@ -7,10 +7,14 @@ that one generation owns everything it runs on; the ``SlotPool`` holds
 
 from __future__ import annotations
 
+import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +24,8 @@ import openvino.opset13 as ops
 from qvld.config import EngineConfig, ModelConfig
 from qvld.engine.model_dir import ModelSpec
 from qvld.errors import ModelInvalid
+
+log = logging.getLogger("qvld.engine")
 
 # Ops that may sit between the lm_head MatMul and the logits output.
 _PASS_THROUGH = {"Convert", "Multiply", "Divide", "Add", "Tanh"}
@@ -52,6 +58,23 @@ def slice_logits_to_last_position(model: ov.Model) -> bool:
     return True
 
 
+def usable_cache_dir(path: Path) -> bool:
+    """Whether the compiled-model cache can be written; if not, serve without it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        log.warning("model.cache_dir %s is not usable (%s); compiling without a cache",
+                    path, exc.strerror or exc)
+        return False
+    if shutil.disk_usage(path).free < 256 << 20:
+        log.warning("model.cache_dir %s has less than 256 MiB free; compiling without a "
+                    "cache", path)
+        return False
+    return True
+
+
 def compile_properties(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> dict[str, Any]:
     props: dict[str, Any] = {
         "PERFORMANCE_HINT": "LATENCY",
@@ -71,24 +94,34 @@ class CompiledModels:
 
     def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
         core = ov.Core()
-        if model_cfg.cache_dir is not None:
-            model_cfg.cache_dir.mkdir(parents=True, exist_ok=True)
+        if model_cfg.cache_dir is not None and usable_cache_dir(model_cfg.cache_dir):
             core.set_property({"CACHE_DIR": str(model_cfg.cache_dir)})
         props = compile_properties(model_cfg, engine_cfg)
-        try:
-            lm = core.read_model(spec.ir("language_model"))
-            self.logits_sliced = slice_logits_to_last_position(lm)
-            self.language = core.compile_model(lm, model_cfg.device, props)
-            self.embeddings = core.compile_model(
-                spec.ir("text_embeddings_model"), model_cfg.device, props)
-            self.vision = core.compile_model(
-                spec.ir("vision_embeddings_model"), model_cfg.device, props)
-            self.vision_pos = core.compile_model(
-                spec.ir("vision_embeddings_pos_model"), model_cfg.device, props)
-            self.vision_merger = core.compile_model(
-                spec.ir("vision_embeddings_merger_model"), model_cfg.device, props)
-        except RuntimeError as exc:
-            raise ModelInvalid(f"OpenVINO cannot load {spec.path}: {exc}") from exc
+
+        def load(submodel: str) -> ov.Model:
+            path = spec.ir(submodel)
+            try:
+                return core.read_model(path)
+            except RuntimeError as exc:
+                raise ModelInvalid(f"{path.name} (or its .bin) cannot be read: "
+                                   f"{_last_line(exc)}") from exc
+
+        def compile_model(model: ov.Model, submodel: str) -> ov.CompiledModel:
+            try:
+                return core.compile_model(model, model_cfg.device, props)
+            except RuntimeError as exc:
+                raise ModelInvalid(f"openvino_{submodel}.xml cannot be compiled: "
+                                   f"{_last_line(exc)}") from exc
+
+        lm = load("language_model")
+        self.logits_sliced = slice_logits_to_last_position(lm)
+        self.language = compile_model(lm, "language_model")
+        self.embeddings = compile_model(load("text_embeddings_model"), "text_embeddings_model")
+        self.vision = compile_model(load("vision_embeddings_model"), "vision_embeddings_model")
+        self.vision_pos = compile_model(load("vision_embeddings_pos_model"),
+                                        "vision_embeddings_pos_model")
+        self.vision_merger = compile_model(load("vision_embeddings_merger_model"),
+                                           "vision_embeddings_merger_model")
         self.hidden_size = spec.hidden_size
         self.deepstack_layers = spec.vision.deepstack_layers
         kv_type = self.language.get_property("KV_CACHE_PRECISION")
@@ -117,6 +150,12 @@ def common_prefix(a: list[Any], b: list[Any]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _last_line(exc: BaseException) -> str:
+    """OpenVINO's messages span lines; the last non-empty one says what is wrong."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _text(value: Any) -> str:

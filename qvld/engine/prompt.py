@@ -100,21 +100,26 @@ class TextTokenizer:
 
 
 def expand_image_pads(ids: Sequence[int], image_token_id: int,
-                      image_tokens: Sequence[int]) -> list[int]:
-    """Replace the i-th image placeholder with ``image_tokens[i]`` copies of it."""
+                      image_tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Replace the i-th image placeholder with ``image_tokens[i]`` copies of it.
+
+    Returns the ids and where each image's rows start: an image is its span, never just
+    its token id (generated text could contain that id too).
+    """
     out: list[int] = []
-    seen = 0
+    starts: list[int] = []
     for token in ids:
         if token != image_token_id:
             out.append(token)
             continue
-        if seen >= len(image_tokens):
+        if len(starts) >= len(image_tokens):
             raise BadRequest("the prompt has more image placeholders than images")
-        out.extend([image_token_id] * image_tokens[seen])
-        seen += 1
-    if seen != len(image_tokens):
-        raise BadRequest(f"{len(image_tokens)} images but {seen} image placeholders in the prompt")
-    return out
+        starts.append(len(out))
+        out.extend([image_token_id] * image_tokens[len(starts) - 1])
+    if len(starts) != len(image_tokens):
+        raise BadRequest(f"{len(image_tokens)} images but {len(starts)} image placeholders "
+                         "in the prompt")
+    return out, starts
 
 
 class IncrementalText:

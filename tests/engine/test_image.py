@@ -188,3 +188,21 @@ def test_image_results_report_image_time(tiny_engine: Engine, tiny_dir: Path) ->
     assert result.timings.image_s > 0
     assert result.timings.ttft_s >= result.timings.image_s
     assert result.usage.image_tokens == 12 * 18 // 4
+
+
+def test_cancellation_acts_between_images(tiny_dir: Path) -> None:
+    from tests.conftest import parity_config
+
+    engine = Engine(parity_config(tiny_dir, infer_requests=1))
+    data = [(tiny_dir / "images" / name).read_bytes() for name in ("photo.png", "gray.png")]
+    calls = {"n": 0}
+
+    def stop_after_first_image() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 1
+
+    result = engine.generate(GenerateRequest(messages=[{"role": "user", "content": [
+        {"type": "image", "image": data[0]}, {"type": "image", "image": data[1]}]}],
+        should_stop=stop_after_first_image))
+    assert result.finish_reason == "cancelled" and result.token_ids == []
+    assert engine.images.stats()["entries"] == 1  # the second image was never encoded

@@ -66,7 +66,7 @@ def test_template_lookup_order(tmp_path: Path) -> None:
 
 
 def test_expand_image_pads() -> None:
-    assert expand_image_pads([1, 9, 2, 9], 9, [2, 3]) == [1, 9, 9, 2, 9, 9, 9]
+    assert expand_image_pads([1, 9, 2, 9], 9, [2, 3]) == ([1, 9, 9, 2, 9, 9, 9], [1, 4])
     with pytest.raises(BadRequest):
         expand_image_pads([1, 9, 9], 9, [2])
     with pytest.raises(BadRequest):

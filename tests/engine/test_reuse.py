@@ -115,3 +115,17 @@ def test_session_limits_and_concurrency() -> None:
     engine.run(prepared)
     with pytest.raises(Busy, match="moved on"):
         engine.run(stale)
+
+
+def test_image_pad_ids_in_a_session_history_are_text() -> None:
+    # A model may generate the image-pad id; it must not be taken for an image later.
+    engine = Engine(parity_config(TINY, infer_requests=1))
+    pad = engine.spec.image_token_id
+    ids, _, _ = engine.tokenize(GenerateRequest(messages=[{"role": "user", "content": "Hi"}]))
+    engine.sessions.open("x", 0).commit([*ids, pad, pad, 5], [], [])
+    result = engine.generate(GenerateRequest(messages=[{"role": "user", "content": "More"}],
+                                             session="x", max_tokens=3, temperature=0.0))
+    assert len(result.token_ids) == 3
+    image = SESSIONS[2]["turns"][0]
+    result = ask(engine, image, session="x")  # an image after the stray pads
+    assert result.usage.image_tokens == 6 and len(result.token_ids) == 10
