@@ -8,7 +8,7 @@ CONVERT := $(VENV)/.stamp-convert
 PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
-.PHONY: run test test-reference lint check-packaging install uninstall deb fixtures clean
+.PHONY: run test test-reference lint check-packaging install uninstall deb bench fixtures clean
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,15 @@ install:
 
 uninstall:
 	packaging/install.sh --uninstall
+
+# qvld against OpenVINO GenAI on the full-size random Qwen3-VL-2B (built once, cached
+# outside the repository in $(BENCH_MODELS)); prints the table BENCHMARKS.md records.
+BENCH_MODELS ?= $(HOME)/.cache/qvld-bench
+bench: $(CONVERT)
+	$(BIN)/pip install -q 'openvino-genai==2026.4.1.0' 'openvino-tokenizers==2026.4.1.0'
+	test -d $(BENCH_MODELS)/qwen3-vl-2b-int8 || $(BIN)/python tools/make_test_model.py \
+	  qwen3-vl-2b $(BENCH_MODELS)/qwen3-vl-2b-int8 --weight-format int8
+	$(BIN)/python bench/peers.py $(BENCH_MODELS)/qwen3-vl-2b-int8 --rounds 3
 
 # A Debian package from the same files (dist/qvld_VERSION_ARCH.deb).
 deb:
