@@ -10,27 +10,14 @@ the same number of tokens.
 from __future__ import annotations
 
 import argparse
-import io
 import statistics
 import time
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
+from scenes import scene
 
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
-
-
-def scene(size: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size, 0:size].astype(np.float32)
-    img = np.stack([255 * x / size, 255 * y / size,
-                    128 + 100 * np.sin((x + y + seed) / 23)], -1)
-    img += rng.normal(0, 8, img.shape)
-    buf = io.BytesIO()
-    Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:

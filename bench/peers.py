@@ -24,17 +24,9 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+from scenes import scene_image
 
 PROMPT = "Describe this image."
-
-
-def scene(size: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size, 0:size].astype(np.float32)
-    img = np.stack([255 * x / size, 255 * y / size,
-                    128 + 100 * np.sin((x + y + seed) / 23)], -1)
-    img += rng.normal(0, 8, img.shape)
-    return Image.fromarray(img.clip(0, 255).astype(np.uint8))
 
 
 def peak_rss() -> int:
@@ -60,8 +52,8 @@ def run_qvld(model: Path, size: int, tokens: int, seed: int) -> dict[str, float]
             {"type": "image", "image": buf.getvalue()}, {"type": "text", "text": PROMPT}]}],
             max_tokens=tokens, temperature=0.0, ignore_eos=True))
 
-    ask(scene(size, seed + 1000))  # warm-up
-    result = ask(scene(size, seed))
+    ask(scene_image(size, seed + 1000))  # warm-up
+    result = ask(scene_image(size, seed))
     n = result.usage.completion_tokens
     return {"load_s": load, "ttft_s": result.timings.ttft_s,
             "tpot_s": result.timings.decode_s / max(n - 1, 1), "tokens": n,
@@ -100,8 +92,8 @@ def run_genai(model: Path, size: int, tokens: int, seed: int) -> dict[str, float
         return (metrics.get_ttft().mean / 1000, metrics.get_tpot().mean / 1000,
                 int(metrics.get_num_generated_tokens()))
 
-    ask(scene(size, seed + 1000))  # warm-up
-    ttft, tpot, n = ask(scene(size, seed))
+    ask(scene_image(size, seed + 1000))  # warm-up
+    ttft, tpot, n = ask(scene_image(size, seed))
     return {"load_s": load, "ttft_s": ttft, "tpot_s": tpot, "tokens": n,
             "peak_rss": peak_rss()}
 
