@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--size", type=int, default=448)
     parser.add_argument("--threads", default="auto", help="engine.threads")
+    parser.add_argument("--dq", default="auto", help="model.dynamic_quantization")
     parser.add_argument("--pin", action="store_true",
                         help="apply qvld's tuning (pin one thread per physical core) first")
     args = parser.parse_args(argv)
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         threads = len(cpus) if threads == "auto" and cpus else threads
 
     t0 = time.perf_counter()
-    engine = Engine(Config(model=ModelConfig(path=args.model),
+    dq = int(args.dq) if args.dq.isdigit() else args.dq
+    engine = Engine(Config(model=ModelConfig(path=args.model, dynamic_quantization=dq),
                            engine=EngineConfig(infer_requests=1, threads=threads)))
     print(f"load+compile {time.perf_counter() - t0:.1f} s; "
           f"runtime {engine.models.runtime_properties}")

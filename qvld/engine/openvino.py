@@ -86,6 +86,9 @@ def compile_properties(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> dict
         props["INFERENCE_PRECISION_HINT"] = model_cfg.precision
     if model_cfg.kv_cache_precision != "auto":
         props["KV_CACHE_PRECISION"] = model_cfg.kv_cache_precision
+    if model_cfg.dynamic_quantization != "auto":
+        props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = (
+            0 if model_cfg.dynamic_quantization == "off" else int(model_cfg.dynamic_quantization))
     return props
 
 
@@ -130,7 +133,8 @@ class CompiledModels:
         self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_bytes
         self.runtime_properties = {
             key: _text(self.language.get_property(key))
-            for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS")
+            for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS",
+                        "DYNAMIC_QUANTIZATION_GROUP_SIZE")
         }
 
 

@@ -287,3 +287,12 @@ def test_default_precision_is_left_to_the_runtime(tiny_dir: Path) -> None:
         infer_requests=1)))
     result = engine.generate(GenerateRequest(messages=MESSAGES, max_tokens=4, temperature=0))
     assert len(result.token_ids) == 4
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("off", "0"), (64, "64")])
+def test_dynamic_quantization_setting_reaches_the_runtime(tiny_dir: Path, setting: Any,
+                                                          expected: str) -> None:
+    engine = Engine(Config(model=ModelConfig(path=tiny_dir, dynamic_quantization=setting),
+                           engine=EngineConfig(infer_requests=1)))
+    assert engine.models.runtime_properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == expected
+    assert len(engine.generate(GenerateRequest(messages=MESSAGES, max_tokens=3)).token_ids) == 3
