@@ -11,7 +11,7 @@ import numpy as np
 
 from qvld.config import Config
 from qvld.engine.cache import ImageCache, Session, SessionStore
-from qvld.engine.generate import Prompt, mrope_positions, run_generation
+from qvld.engine.generate import Prompt, mrope_positions, never, run_generation
 from qvld.engine.image import PixelBudget, PreparedImage, image_digest, prepare
 from qvld.engine.model_dir import ModelSpec, load_model_spec
 from qvld.engine.openvino import CompiledModels, Slot, SlotPool, common_prefix
@@ -42,10 +42,6 @@ class PreparedRequest:
     @property
     def max_total_tokens(self) -> int:
         return self.history_tokens + len(self.ids) + self.max_tokens
-
-
-def _never() -> bool:
-    return False
 
 
 class Engine:
@@ -206,7 +202,7 @@ class Engine:
         return embedding, False
 
     def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage],
-                 starts: list[int], should_stop: Callable[[], bool] = _never,
+                 starts: list[int], should_stop: Callable[[], bool] = never,
                  cached: int = 0) -> Prompt | None:
         """Lay out embeddings, masks and positions; encode the images on ``slot``.
 
@@ -307,7 +303,7 @@ class Engine:
              starts: list[int], on_token: TokenCallback | None) -> GenerateResult:
         t0 = time.perf_counter()
         request = prepared.request
-        should_stop = request.should_stop or _never
+        should_stop = request.should_stop or never
         sampler = Sampler(prepared.params, ids, self.spec.vocab_size)
         eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
         keys = self.prompt_keys(ids, images, starts)

@@ -90,7 +90,8 @@ def prefill(slot: Slot, prompt: Prompt, start: int, chunk: int,
     return logits
 
 
-def _never() -> bool:
+def never() -> bool:
+    """The default ``should_stop``: nothing cancels."""
     return False
 
 
@@ -110,7 +111,7 @@ def run_generation(
     should_stop: Callable[[], bool] | None = None,
 ) -> Outcome:
     """Prefill ``prompt`` from row ``cached`` on, then decode until a stop rule fires."""
-    should_stop = should_stop or _never
+    should_stop = should_stop or never
     t0 = time.perf_counter()
     logits = prefill(slot, prompt, cached, chunk, should_stop)
     if logits is None:
