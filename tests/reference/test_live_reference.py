@@ -59,6 +59,16 @@ def test_rebuilt_model_matches_transformers_exactly(rebuilt: dict[str, Path],
         ids, *_ = engine.tokenize(request)
         assert ids == case["input_ids"], case["name"]
         assert engine.generate(request).token_ids == case["token_ids"], case["name"]
+    # Multi-turn sessions: each follow-up equals transformers on the exact sequence.
+    assert reference["sessions"]
+    for session in reference["sessions"]:
+        for turn in session["turns"]:
+            assert turn["min_margin"] > 1e-3, session["name"]
+            result = engine.generate(GenerateRequest(
+                messages=with_image_bytes(turn["messages"], path), temperature=0.0,
+                max_tokens=turn["max_new_tokens"], session=session["name"]))
+            assert result.usage.prompt_tokens == len(turn["input_ids"]), session["name"]
+            assert result.token_ids == turn["token_ids"], session["name"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
