@@ -61,12 +61,10 @@ do_install() {
   install_file 0644 "$src/packaging/tmpfiles.d/qvld.conf" /usr/lib/tmpfiles.d/qvld.conf
   install_file 0644 "$src/README.md" /usr/share/doc/qvld/README.md
 
-  # The config: the documented defaults, with the service's own directories filled in.
+  # The config (see service-config.sed).
   local dist
   dist=$(mktemp)
-  sed -e 's|^  path: ~ |  path: /var/lib/qvld/models/qwen3-vl-2b |' \
-      -e 's|^  cache_dir: ~  |  cache_dir: /var/cache/qvld|' \
-      "$src/etc/qvld/qvld.yaml" > "$dist"
+  sed -f "$src/packaging/service-config.sed" "$src/etc/qvld/qvld.yaml" > "$dist"
   local config="$destdir/etc/qvld/qvld.yaml"
   if [ ! -e "$config" ]; then
     install -D -m 0644 "$dist" "$config"

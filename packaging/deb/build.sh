@@ -29,9 +29,8 @@ install -D -m 0644 "$src/packaging/systemd/qvld.socket" "$root/lib/systemd/syste
 install -D -m 0644 "$src/packaging/sysusers.d/qvld.conf" "$root/usr/lib/sysusers.d/qvld.conf"
 install -D -m 0644 "$src/packaging/tmpfiles.d/qvld.conf" "$root/usr/lib/tmpfiles.d/qvld.conf"
 install -d "$root/etc/qvld"
-sed -e 's|^  path: ~ |  path: /var/lib/qvld/models/qwen3-vl-2b |' \
-    -e 's|^  cache_dir: ~  |  cache_dir: /var/cache/qvld|' \
-    "$src/etc/qvld/qvld.yaml" > "$root/etc/qvld/qvld.yaml"
+sed -f "$src/packaging/service-config.sed" "$src/etc/qvld/qvld.yaml" \
+  > "$root/etc/qvld/qvld.yaml"
 chmod 0644 "$root/etc/qvld/qvld.yaml"
 doc=$root/usr/share/doc/qvld
 install -D -m 0644 "$src/README.md" "$doc/README.md"
