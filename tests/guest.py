@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 BOOT = r"""
 set -e
 R="$SANDBOX/root"
@@ -30,6 +31,12 @@ mount -t sysfs sysfs "$R/sys"
 mount -t cgroup2 cgroup2 "$R/sys/fs/cgroup"
 mount -t tmpfs tmpfs "$R/tmp"
 mount -t tmpfs tmpfs "$R/run"
+# The checkout stays reachable at its own path, even when it lives under /tmp.
+# (an overlay of it: the sandbox's writes, such as pip's in-tree build, stay inside)
+mkdir -p "$SANDBOX/repo-upper" "$SANDBOX/repo-work" "$R$REPO"
+mount -t overlay overlay \
+    -o lowerdir="$REPO",upperdir="$SANDBOX/repo-upper",workdir="$SANDBOX/repo-work" \
+    "$R$REPO"
 for unit in console-getty.service getty@tty1.service prometheus.service \
             postgresql.service postgresql@15-main.service; do
   ln -sf /dev/null "$R/etc/systemd/system/$unit"
@@ -67,6 +74,7 @@ class Guest:
         wrapper = ('echo $$ > "$CGROUP/cgroup.procs" && exec unshare --mount --pid --fork '
                    '--propagation private --cgroup -- /bin/bash -c "$BOOT"')
         env = {"SANDBOX": str(self.mountpoint), "CGROUP": str(self.cgroup), "BOOT": BOOT,
+               "REPO": str(REPO),
                "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
         self.proc = subprocess.Popen(["/bin/bash", "-c", wrapper], env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

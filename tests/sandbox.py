@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 SETUP = """
 set -e
 mount -t tmpfs -o size=6g tmpfs "$SANDBOX"
@@ -21,6 +22,12 @@ mount --rbind /dev "$SANDBOX/root/dev"
 mount -t sysfs sysfs "$SANDBOX/root/sys"
 mount -t tmpfs tmpfs "$SANDBOX/root/tmp"
 mount -t tmpfs tmpfs "$SANDBOX/root/run"
+# The checkout stays reachable at its own path, even when it lives under /tmp.
+# (an overlay of it: the sandbox's writes, such as pip's in-tree build, stay inside)
+mkdir -p "$SANDBOX/repo-upper" "$SANDBOX/repo-work" "$SANDBOX/root$REPO"
+mount -t overlay overlay \
+    -o lowerdir="$REPO",upperdir="$SANDBOX/repo-upper",workdir="$SANDBOX/repo-work" \
+    "$SANDBOX/root$REPO"
 exec chroot "$SANDBOX/root" /bin/bash -c "$SCRIPT"
 """
 
@@ -33,7 +40,8 @@ def run_in_sandbox(script: str, timeout: float = 900) -> subprocess.CompletedPro
     """Run ``script`` (bash) as root inside a fresh overlay of /; returns its output."""
     mountpoint = tempfile.mkdtemp(prefix="qvld-sandbox-")
     try:
-        env = {"SANDBOX": mountpoint, "SCRIPT": script, "PATH": os.environ.get("PATH", ""),
+        env = {"SANDBOX": mountpoint, "SCRIPT": script, "REPO": str(REPO),
+               "PATH": os.environ.get("PATH", ""),
                "HOME": "/root", "LANG": "C.UTF-8"}
         return subprocess.run(["unshare", "--mount", "--propagation", "private", "--",
                                "/bin/bash", "-c", SETUP], env=env, capture_output=True,
