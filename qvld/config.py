@@ -43,8 +43,9 @@ class ModelConfig(_Section):
     kv_cache_precision: Literal["auto", "f32", "f16", "u8"] = "auto"
     cache_dir: Path | None = None
     warmup: bool = True
-    # OpenVINO's dynamic quantisation of activations for int8/int4 weights: auto (the
-    # runtime's default), off, or a group size matching the weights' groups.
+    # OpenVINO's dynamic quantisation of activations for int8/int4 weights: auto (off
+    # for per-channel int8, the weights' group size for grouped ones, else the runtime's
+    # default), off, or a group size.
     dynamic_quantization: int | Literal["auto", "off"] = "auto"
 
 

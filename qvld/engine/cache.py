@@ -61,6 +61,13 @@ class ImageCache:
                 _, old = self._items.popitem(last=False)
                 self.size_bytes -= self._cost(old)
 
+    def discard(self, digest: bytes) -> None:
+        with self._lock:
+            item = self._items.pop(digest, None)
+            if item is not None:
+                self.size_bytes -= self._cost(item)
+            self._grids.pop(digest, None)
+
     def grid(self, digest: bytes) -> tuple[int, int] | None:
         """The resized grid of an image seen before (lets a hit skip decoding)."""
         with self._lock:

@@ -12,8 +12,10 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,80 @@ def slice_logits_to_last_position(model: ov.Model) -> bool:
     return True
 
 
+def patch_embedding_as_matmul(model: ov.Model) -> bool:
+    """Run the vision patch embedding as the MatMul it is.
+
+    The export flattens each patch to a row and reshapes it back into [N,3,2,16,16] for a
+    Conv3d whose kernel and stride are the whole patch: one output per patch, i.e.
+    rows @ weights.reshape(C,-1).T. OpenVINO's CPU plugin runs that convolution ~40x
+    slower than the MatMul (114 ms vs 2.8 ms for a 448x448 image on the full-size model).
+    Returns whether the graph was changed (False if it has another shape).
+    """
+    convs = [n for n in model.get_ordered_ops() if n.get_type_name() == "Convolution"]
+    if len(convs) != 1:
+        return False
+    conv = convs[0]
+    source = conv.input_value(0).get_node()
+    kernel = conv.get_input_partial_shape(1)
+    consumers = list(conv.output(0).get_target_inputs())
+    if (source.get_type_name() != "Reshape" or len(consumers) != 1 or kernel.is_dynamic
+            or source.input_value(0).get_node().get_type_name() != "Parameter"):
+        return False
+    flatten = consumers[0].get_node()
+    kernel_dims = [int(d) for d in kernel.to_shape()][2:]
+    patch_dims = source.get_output_partial_shape(0)
+    if (flatten.get_type_name() != "Reshape" or patch_dims.rank.get_length() != len(kernel_dims) + 2
+            or flatten.get_output_partial_shape(0).rank.get_length() != 2
+            or [int(d) for d in conv.get_strides()] != kernel_dims
+            or any(d.is_dynamic or int(d.get_length()) != k
+                   for d, k in zip(list(patch_dims)[2:], kernel_dims, strict=True))):
+        return False
+    rows = source.input_value(0)
+    weights = ops.reshape(conv.input_value(1), np.array([0, -1], dtype=np.int64), True)
+    flatten.output(0).replace(ops.matmul(rows, weights, False, True).output(0))
+    model.validate_nodes_and_infer_types()
+    return True
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """How a model's compressed weights are stored (NNCF's weight compression)."""
+
+    bits: int  # 8 or 4
+    symmetric: bool  # signed storage, no zero points
+    group_size: int  # weights per scale; -1: one scale per output channel
+
+    def __str__(self) -> str:
+        groups = "per channel" if self.group_size == -1 else f"group {self.group_size}"
+        return f"int{self.bits} {'sym' if self.symmetric else 'asym'} {groups}"
+
+
+_COMPRESSED = {"i8": (8, True), "u8": (8, False), "i4": (4, True), "u4": (4, False)}
+
+
+def weight_layout(model: ov.Model) -> WeightLayout | None:
+    """The layout holding most weight bytes, or None for a float model.
+
+    Compressed weights are integer constants decompressed by Convert (-> Subtract for
+    zero points) -> Multiply by scales; grouped ones are stored [out, in/group, group].
+    """
+    counts: Counter[WeightLayout] = Counter()
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "Constant":
+            continue
+        kind = _COMPRESSED.get(node.get_output_element_type(0).get_type_name())
+        shape = [int(d) for d in node.get_output_shape(0)]
+        if kind is None or len(shape) not in (2, 3) or min(shape) < 2:
+            continue  # zero points and scalars are not weights
+        if not any(t.get_node().get_type_name() == "Convert"
+                   for t in node.output(0).get_target_inputs()):
+            continue
+        bits, symmetric = kind
+        group = shape[-1] if len(shape) == 3 else -1
+        counts[WeightLayout(bits, symmetric, group)] += int(np.prod(shape)) * bits // 8
+    return counts.most_common(1)[0][0] if counts else None
+
+
 def usable_cache_dir(path: Path) -> bool:
     """Whether the compiled-model cache can be written; if not, serve without it."""
     try:
@@ -75,7 +151,20 @@ def usable_cache_dir(path: Path) -> bool:
     return True
 
 
-def compile_properties(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> dict[str, Any]:
+def auto_dynamic_quantization(layout: WeightLayout | None) -> int | None:
+    """The activation quantisation group that decodes fastest for these weights here
+    (BENCHMARKS.md): off for per-channel int8 (the runtime's default group of 32 made it
+    the slowest), the weights' own group for grouped ones (a mismatch was slower still),
+    the runtime's default (None) for per-channel int4 and float weights."""
+    if layout is None:
+        return None
+    if layout.group_size > 0:
+        return layout.group_size
+    return 0 if layout.bits == 8 else None
+
+
+def compile_properties(model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                       layout: WeightLayout | None = None) -> dict[str, Any]:
     props: dict[str, Any] = {
         "PERFORMANCE_HINT": "LATENCY",
         "NUM_STREAMS": str(engine_cfg.streams),
@@ -86,9 +175,11 @@ def compile_properties(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> dict
         props["INFERENCE_PRECISION_HINT"] = model_cfg.precision
     if model_cfg.kv_cache_precision != "auto":
         props["KV_CACHE_PRECISION"] = model_cfg.kv_cache_precision
-    if model_cfg.dynamic_quantization != "auto":
-        props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = (
-            0 if model_cfg.dynamic_quantization == "off" else int(model_cfg.dynamic_quantization))
+    dq = model_cfg.dynamic_quantization
+    group = (auto_dynamic_quantization(layout) if dq == "auto"
+             else 0 if dq == "off" else int(dq))
+    if group is not None:
+        props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = group
     return props
 
 
@@ -99,7 +190,6 @@ class CompiledModels:
         core = ov.Core()
         if model_cfg.cache_dir is not None and usable_cache_dir(model_cfg.cache_dir):
             core.set_property({"CACHE_DIR": str(model_cfg.cache_dir)})
-        props = compile_properties(model_cfg, engine_cfg)
 
         def load(submodel: str) -> ov.Model:
             path = spec.ir(submodel)
@@ -110,6 +200,8 @@ class CompiledModels:
                                    f"{_last_line(exc)}") from exc
 
         def compile_model(model: ov.Model, submodel: str) -> ov.CompiledModel:
+            # Each submodel gets the activation quantisation its own weights call for.
+            props = compile_properties(model_cfg, engine_cfg, weight_layout(model))
             try:
                 return core.compile_model(model, model_cfg.device, props)
             except RuntimeError as exc:
@@ -117,10 +209,13 @@ class CompiledModels:
                                    f"{_last_line(exc)}") from exc
 
         lm = load("language_model")
+        self.weight_layout = weight_layout(lm)
         self.logits_sliced = slice_logits_to_last_position(lm)
         self.language = compile_model(lm, "language_model")
         self.embeddings = compile_model(load("text_embeddings_model"), "text_embeddings_model")
-        self.vision = compile_model(load("vision_embeddings_model"), "vision_embeddings_model")
+        patch_model = load("vision_embeddings_model")
+        self.patch_matmul = patch_embedding_as_matmul(patch_model)
+        self.vision = compile_model(patch_model, "vision_embeddings_model")
         self.vision_pos = compile_model(load("vision_embeddings_pos_model"),
                                         "vision_embeddings_pos_model")
         self.vision_merger = compile_model(load("vision_embeddings_merger_model"),
@@ -136,6 +231,7 @@ class CompiledModels:
             for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS",
                         "DYNAMIC_QUANTIZATION_GROUP_SIZE")
         }
+        self.runtime_properties["WEIGHTS"] = str(self.weight_layout or "float")
 
 
 def _sequence_axis(shape: Any, length: int) -> int:
