@@ -206,7 +206,10 @@ def cmd_model(args: argparse.Namespace) -> int:
     from qvlctl import model
 
     if args.model_command == "convert":
-        return model.convert(args.src, args.dst, args.weights, args.group_size, args.ratio)
+        recipe = model.Recipe(weights=args.weights, symmetric=not args.asym,
+                              group_size=args.group_size, ratio=args.ratio,
+                              all_layers=not args.lm_head_int8)
+        return model.convert(args.src, args.dst, recipe)
     if args.model_command == "info":
         document = model.info(args.dir)
         print(json.dumps(document, indent=2) if args.json else model.render_info(document))
@@ -270,9 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src")
     conv.add_argument("dst", type=Path)
     conv.add_argument("--weights", choices=["int4", "int8", "fp16", "fp32"], default="int8")
-    conv.add_argument("--group-size", dest="group_size", type=int,
-                      help="int4 group size (default 128)")
-    conv.add_argument("--ratio", type=float, help="int4: share of layers in 4 bits")
+    conv.add_argument("--asym", action="store_true",
+                      help="asymmetric quantisation with zero points (optimum's default; "
+                           "slower to decode here)")
+    conv.add_argument("--group-size", dest="group_size", type=int, default=-1,
+                      help="weights per scale; -1 (default): one scale per output channel")
+    conv.add_argument("--ratio", type=float, default=1.0,
+                      help="int4: share of the layers in 4 bits, the rest int8 (default 1)")
+    conv.add_argument("--lm-head-int8", dest="lm_head_int8", action="store_true",
+                      help="int4: keep lm_head and the embeddings in int8 (slower)")
     minfo = msub.add_parser("info", help="what a model directory holds")
     minfo.add_argument("dir", type=Path)
     minfo.add_argument("--json", action="store_true")

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,23 +39,48 @@ def resolve_source(src: str) -> Path:
     return Path(snapshot_download(src))
 
 
-def export(src: Path, dst: Path, weights: str, group_size: int | None,
-           ratio: float | None) -> None:
+@dataclass(frozen=True)
+class Recipe:
+    """How the weights are quantised. The defaults are the ones that decode fastest here
+    (BENCHMARKS.md): symmetric, one scale per output channel, and for int4 every layer
+    including lm_head and the embeddings (at int8 lm_head alone costs 11-13 ms a token)."""
+
+    weights: str = "int8"
+    symmetric: bool = True
+    group_size: int = -1  # -1: one scale per output channel
+    ratio: float = 1.0  # int4: share of the layers in 4 bits (the rest int8)
+    all_layers: bool = True  # int4: lm_head and embeddings in 4 bits too
+
+    def quantization_options(self) -> dict[str, Any]:
+        bits = 8 if self.weights == "int8" else 4
+        options: dict[str, Any] = {"bits": bits, "sym": self.symmetric,
+                                   "group_size": self.group_size}
+        if bits == 4:
+            options.update(ratio=self.ratio, all_layers=self.all_layers)
+        return options
+
+    def describe(self) -> str:
+        if self.weights not in ("int8", "int4"):
+            return self.weights
+        groups = "per channel" if self.group_size == -1 else f"group {self.group_size}"
+        extra = ""
+        if self.weights == "int4":
+            extra = f", ratio {self.ratio:g}, {'all layers' if self.all_layers else 'lm_head int8'}"
+        return f"{self.weights} {'sym' if self.symmetric else 'asym'} {groups}{extra}"
+
+
+def export(src: Path, dst: Path, recipe: Recipe) -> None:
     """optimum-intel's export API, in this process, into ``dst`` (which must not exist)."""
     from optimum.intel import OVModelForVisualCausalLM, OVWeightQuantizationConfig
 
     kwargs: dict[str, Any] = {"export": True}
-    if weights in ("int8", "int4"):
-        bits = 8 if weights == "int8" else 4
-        options: dict[str, Any] = {"bits": bits, "sym": False}
-        if bits == 4:
-            options["group_size"] = group_size or 128
-            options["ratio"] = 1.0 if ratio is None else ratio
-        kwargs["quantization_config"] = OVWeightQuantizationConfig(**options)
+    if recipe.weights in ("int8", "int4"):
+        kwargs["quantization_config"] = OVWeightQuantizationConfig(
+            **recipe.quantization_options())
     else:
         kwargs["load_in_8bit"] = False
     model = OVModelForVisualCausalLM.from_pretrained(src, **kwargs)
-    if weights == "fp16":
+    if recipe.weights == "fp16":
         model.half()
     model.save_pretrained(dst)
     for name in SIDE_FILES:
@@ -83,8 +109,7 @@ def check_serves(path: Path) -> str:
     return result.text
 
 
-def convert(src: str, dst: Path, weights: str, group_size: int | None,
-            ratio: float | None) -> int:
+def convert(src: str, dst: Path, recipe: Recipe) -> int:
     if dst.exists():
         _say(f"{dst} exists; remove it or choose another destination")
         return 2
@@ -95,8 +120,8 @@ def convert(src: str, dst: Path, weights: str, group_size: int | None,
     partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
         t0 = time.perf_counter()
-        _say(f"exporting {source} with {weights} weights (this takes a while)")
-        export(source, partial, weights, group_size, ratio)
+        _say(f"exporting {source} with {recipe.describe()} weights (this takes a while)")
+        export(source, partial, recipe)
         _say(f"exported in {time.perf_counter() - t0:.0f} s; checking it answers")
         answer = check_serves(partial)
         partial.rename(dst)
@@ -121,6 +146,15 @@ def weight_formats(xml: Path) -> dict[str, int]:
                 count *= int(dim)
             sizes[output.get_type_name()] += count * output.bitwidth // 8
     return dict(sizes.most_common())
+
+
+def language_layout(path: Path) -> str:
+    import openvino as ov
+
+    from qvld.engine.openvino import weight_layout
+
+    layout = weight_layout(ov.Core().read_model(path / "openvino_language_model.xml"))
+    return str(layout) if layout else "float"
 
 
 def info(path: Path) -> dict[str, Any]:
@@ -148,6 +182,7 @@ def info(path: Path) -> dict[str, Any]:
         "chat_template": bool(spec.chat_template),
         "size_bytes": sum(p.stat().st_size for p in path.iterdir() if p.is_file()),
         "weights": {sub: weight_formats(path / f"openvino_{sub}.xml") for sub in SUBMODELS},
+        "language_model_layout": language_layout(path),
     })
     try:
         from qvld.config import Config, EngineConfig, ModelConfig
@@ -175,6 +210,7 @@ def render_info(document: dict[str, Any]) -> str:
         f"image pixels:  {document['image_pixels']['min']}..{document['image_pixels']['max']}",
         f"chat template: {'yes' if document['chat_template'] else 'no'}",
         f"size on disk:  {document['size_bytes'] / 2**20:.1f} MiB",
+        f"LM weights:    {document['language_model_layout']}",
     ]
     for sub, formats in document["weights"].items():
         total = sum(formats.values()) or 1

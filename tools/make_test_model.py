@@ -2,13 +2,16 @@
 
     python tools/make_test_model.py tiny OUT_DIR [--reference]
     python tools/make_test_model.py qwen3-vl-2b OUT_DIR --weight-format int8
+    python tools/make_test_model.py qwen3-vl-2b HF_DIR --hf-only
 
 Each preset is a real ``transformers.Qwen3VLConfig``; the model is initialised from a
 fixed seed, saved in the Hugging Face layout under ``OUT_DIR/hf`` and exported with the
 real optimum-intel exporter (``optimum-cli export openvino``) to ``OUT_DIR``. With
 ``--reference`` the greedy token ids transformers (fp32) generates for the reference
 cases are written to ``OUT_DIR/reference.json`` (and, for image cases, the processor's
-``pixel_values`` and grids to ``OUT_DIR/reference_pixels.npz``).
+``pixel_values`` and grids to ``OUT_DIR/reference_pixels.npz``). With ``--hf-only`` the
+checkpoint alone is written to ``OUT_DIR`` (for ``qvlctl model convert`` and other
+runtimes' converters).
 
 Needs the ``convert`` extra (torch, transformers, optimum-intel); never imported by qvld.
 """
@@ -328,9 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action="store_true",
                         help="also write reference.json from transformers fp32")
     parser.add_argument("--keep-hf", action="store_true", help="keep OUT/hf after export")
+    parser.add_argument("--hf-only", action="store_true",
+                        help="write the transformers checkpoint to OUT and stop")
     args = parser.parse_args(argv)
 
     out: Path = args.out
+    if args.hf_only:
+        save_hf(args.preset, out)
+        return 0
     hf_dir = out / "hf"
     save_hf(args.preset, hf_dir)
     export_openvino(hf_dir, out, args.weight_format)
