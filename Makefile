@@ -8,7 +8,8 @@ CONVERT := $(VENV)/.stamp-convert
 PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
-.PHONY: run test test-reference lint check-packaging install uninstall deb bench fixtures clean
+.PHONY: run test test-reference lint check-packaging install uninstall deb bench bench-llamacpp \
+	fixtures clean
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,14 +54,32 @@ install:
 uninstall:
 	packaging/install.sh --uninstall
 
-# qvld against OpenVINO GenAI on the full-size random Qwen3-VL-2B (built once, cached
-# outside the repository in $(BENCH_MODELS)); prints the table BENCHMARKS.md records.
+# qvld against its peers on the full-size random Qwen3-VL-2B (checkpoint and exports
+# built once, cached outside the repository in $(BENCH_MODELS)); prints the table
+# BENCHMARKS.md records. llama.cpp rows need `make bench-llamacpp` first (optional).
 BENCH_MODELS ?= $(HOME)/.cache/qvld-bench
+BENCH_HF := $(BENCH_MODELS)/qwen3-vl-2b-hf
 bench: $(CONVERT)
 	$(BIN)/pip install -q 'openvino-genai==2026.4.1.0' 'openvino-tokenizers==2026.4.1.0'
-	test -d $(BENCH_MODELS)/qwen3-vl-2b-int8 || $(BIN)/python tools/make_test_model.py \
-	  qwen3-vl-2b $(BENCH_MODELS)/qwen3-vl-2b-int8 --weight-format int8
-	$(BIN)/python bench/peers.py $(BENCH_MODELS)/qwen3-vl-2b-int8 --rounds 3
+	test -d $(BENCH_HF) || $(BIN)/python tools/make_test_model.py qwen3-vl-2b $(BENCH_HF) --hf-only
+	test -d $(BENCH_MODELS)/qwen3-vl-2b-int8 || { $(BIN)/optimum-cli export openvino \
+	  --model $(BENCH_HF) --task image-text-to-text --weight-format int8 \
+	  --disable-convert-tokenizer $(BENCH_MODELS)/qwen3-vl-2b-int8 && \
+	  cp $(BENCH_HF)/chat_template.jinja $(BENCH_MODELS)/qwen3-vl-2b-int8/; }
+	test -d $(BENCH_MODELS)/qwen3-vl-2b-int8-sym || $(BIN)/qvlctl model convert $(BENCH_HF) \
+	  $(BENCH_MODELS)/qwen3-vl-2b-int8-sym --weights int8
+	test -d $(BENCH_MODELS)/qwen3-vl-2b-int4-sym || $(BIN)/qvlctl model convert $(BENCH_HF) \
+	  $(BENCH_MODELS)/qwen3-vl-2b-int4-sym --weights int4
+	$(BIN)/python bench/peers.py $(BENCH_MODELS) --rounds 3 --json $(BENCH_MODELS)/peers.json
+
+# llama.cpp from the copy vendored in llama-cpp-python's sdist, and GGUF conversions
+# (bf16, Q8_0, Q4_K_M, mmproj f16) of the same checkpoint, for `make bench`.
+bench-llamacpp: $(CONVERT)
+	$(BIN)/pip install -q sentencepiece
+	QVLD_BENCH_CACHE=$(BENCH_MODELS) bench/build_llamacpp.sh $(BIN)/python
+	test -d $(BENCH_HF) || $(BIN)/python tools/make_test_model.py qwen3-vl-2b $(BENCH_HF) --hf-only
+	$(BIN)/python bench/convert_gguf.py $(BENCH_HF) $(BENCH_MODELS)/gguf \
+	  --llamacpp $(BENCH_MODELS)/llama.cpp
 
 # A Debian package from the same files (dist/qvld_VERSION_ARCH.deb).
 deb:

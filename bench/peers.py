@@ -1,110 +1,193 @@
-"""qvld against its peers on the same model, in one run, each system in its own process.
+"""qvld against its peers on the same full-size model, in one run.
 
-    python bench/peers.py MODEL_DIR [--rounds 3] [--tokens 64] [--size 448]
+    python bench/peers.py MODELS [--rounds 3] [--tokens 64] [--size 448] [--rows ...]
+                          [--json OUT.json]
 
-Systems: qvld's engine (this repository) and OpenVINO GenAI's VLMPipeline on the same
-OpenVINO IR (the `bench` extra; the tokenizer IR is converted on first use). Each round
-runs every system once, interleaved, in a fresh subprocess: load, one warm-up
-generation, then one measured generation on a new image (448x448 by default) with the
-same prompt, 64 new tokens, eos ignored. Reported: load time, TTFT, time per output
-token, peak RSS (VmHWM of that process); medians over the rounds, and ratios to GenAI.
+MODELS is the directory `make bench` fills (~/.cache/qvld-bench): the transformers
+checkpoint (qwen3-vl-2b-hf), OpenVINO exports (qwen3-vl-2b-int8: optimum-cli's default
+recipe, asymmetric; qwen3-vl-2b-int8-sym and -int4-sym: `qvlctl model convert`'s
+recipe), GGUF files (gguf/, from `make bench-llamacpp`; rows skipped when absent) and
+llama.cpp's build. Each row runs in a fresh subprocess per round (so peak RSS is its
+own), rows interleaved within a round; medians over the rounds. transformers fp32 runs
+once (it is slow). Also measured: this machine's read bandwidth and matmul throughput,
+and each OpenVINO row's decode as a share of the bandwidth roofline (bytes of
+language-model weights and KV cache read per token / bandwidth).
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from PIL import Image
-from scenes import scene_image
-
-PROMPT = "Describe this image."
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 
-def peak_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+@dataclass(frozen=True)
+class Row:
+    name: str
+    runner: str
+    model: str  # directory under MODELS
+    bits: str  # what to compare it with
+    options: tuple[tuple[str, str], ...] = ()
+    once: bool = False
 
 
-def run_qvld(model: Path, size: int, tokens: int, seed: int) -> dict[str, float]:
-    from qvld.config import Config, EngineConfig, ModelConfig
-    from qvld.engine import Engine, GenerateRequest
-
-    t0 = time.perf_counter()
-    engine = Engine(Config(model=ModelConfig(path=model), engine=EngineConfig(
-        infer_requests=1, image_cache_mb=0, kv_cache_mb=0)))
-    load = time.perf_counter() - t0
-
-    def ask(image: Image.Image) -> Any:
-        buf = io.BytesIO()
-        image.save(buf, "PNG")
-        return engine.generate(GenerateRequest(messages=[{"role": "user", "content": [
-            {"type": "image", "image": buf.getvalue()}, {"type": "text", "text": PROMPT}]}],
-            max_tokens=tokens, temperature=0.0, ignore_eos=True))
-
-    ask(scene_image(size, seed + 1000))  # warm-up
-    result = ask(scene_image(size, seed))
-    n = result.usage.completion_tokens
-    return {"load_s": load, "ttft_s": result.timings.ttft_s,
-            "tpot_s": result.timings.decode_s / max(n - 1, 1), "tokens": n,
-            "prompt_tokens": result.usage.prompt_tokens, "peak_rss": peak_rss()}
+ROWS = [
+    Row("qvld engine, int8 (qvld recipe)", "qvld", "qwen3-vl-2b-int8-sym", "8"),
+    Row("qvld daemon + qvlctl client, int8", "daemon", "qwen3-vl-2b-int8-sym", "8"),
+    Row("qvld engine, int8 (optimum-cli IR)", "qvld", "qwen3-vl-2b-int8", "8"),
+    Row("GenAI VLMPipeline, int8 (optimum-cli IR)", "genai", "qwen3-vl-2b-int8", "8"),
+    Row("GenAI VLMPipeline, int8 (qvld IR)", "genai", "qwen3-vl-2b-int8-sym", "8"),
+    Row("optimum-intel, int8 (optimum-cli IR)", "optimum", "qwen3-vl-2b-int8", "8"),
+    Row("llama.cpp Q8_0", "llamacpp", "gguf", "8", (("quant", "Q8_0"),)),
+    Row("qvld engine, int4 (qvld recipe)", "qvld", "qwen3-vl-2b-int4-sym", "4"),
+    Row("GenAI VLMPipeline, int4 (qvld IR)", "genai", "qwen3-vl-2b-int4-sym", "4"),
+    Row("llama.cpp Q4_K_M", "llamacpp", "gguf", "4", (("quant", "Q4_K_M"),)),
+    Row("transformers fp32", "transformers", "qwen3-vl-2b-hf", "32", once=True),
+]
+FIELDS = ("load_s", "ready_cold_s", "ready_warm_s", "ttft_s", "ttft_seen_s",
+          "ttft_follow_up_s", "ttft_large_s", "tpot_s", "peak_rss", "prompt_tokens",
+          "large_prompt_tokens", "qvlctl_ask_s")
 
 
-def ensure_tokenizer_ir(model: Path) -> None:
-    if (model / "openvino_tokenizer.xml").exists():
-        return
-    from openvino import save_model
-    from openvino_tokenizers import convert_tokenizer
-    from transformers import AutoTokenizer
-
-    tokenizer, detokenizer = convert_tokenizer(AutoTokenizer.from_pretrained(model),
-                                               with_detokenizer=True)
-    save_model(tokenizer, model / "openvino_tokenizer.xml")
-    save_model(detokenizer, model / "openvino_detokenizer.xml")
-
-
-def run_genai(model: Path, size: int, tokens: int, seed: int) -> dict[str, float]:
-    import openvino as ov
-    import openvino_genai as genai
-
-    t0 = time.perf_counter()
-    pipe = genai.VLMPipeline(str(model), "CPU")
-    load = time.perf_counter() - t0
-    config = genai.GenerationConfig()
-    config.max_new_tokens = tokens
-    config.ignore_eos = True
-
-    def ask(image: Image.Image) -> tuple[float, float, int]:
-        # GenAI's own perf metrics: TTFT from the call, mean time per output token.
-        result = pipe.generate(PROMPT, images=[ov.Tensor(np.asarray(image)[None])],
-                               generation_config=config)
-        metrics = result.perf_metrics
-        return (metrics.get_ttft().mean / 1000, metrics.get_tpot().mean / 1000,
-                int(metrics.get_num_generated_tokens()))
-
-    ask(scene_image(size, seed + 1000))  # warm-up
-    ttft, tpot, n = ask(scene_image(size, seed))
-    return {"load_s": load, "ttft_s": ttft, "tpot_s": tpot, "tokens": n,
-            "peak_rss": peak_rss()}
-
-
-SYSTEMS = {"qvld": run_qvld, "genai": run_genai}
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def child(argv: list[str]) -> int:
-    system, model, size, tokens, seed = argv
-    print(json.dumps(SYSTEMS[system](Path(model), int(size), int(tokens), int(seed))))
+    from systems import RUNNERS, watchdog
+
+    runner, model, size, tokens, seed, options = argv
+    watchdog(1800)
+    result = RUNNERS[runner](Path(model), int(size), int(tokens), int(seed),
+                             **json.loads(options))
+    print(json.dumps(result))
     return 0
+
+
+def available(row: Row, models: Path) -> str | None:
+    """Why a row cannot run here, or None."""
+    path = models / row.model
+    if row.runner == "llamacpp":
+        if not (models / "llama.cpp/build/bin/llama-mtmd-cli").exists():
+            return "llama.cpp not built (make bench-llamacpp)"
+        if not (path / f"model-{dict(row.options)['quant']}.gguf").exists():
+            return "no GGUF conversion (make bench-llamacpp)"
+    elif not path.is_dir():
+        return f"{path} missing"
+    return None
+
+
+def lm_bytes_per_token(model: Path, prompt_tokens: int, tokens: int) -> float | None:
+    """Weights of the language model (the embedding table lives in its own IR and is read
+    one row per token) plus the mean KV cache read per step (u8 KV, this CPU's default)."""
+    bin_file = model / "openvino_language_model.bin"
+    config_file = model / "config.json"
+    if not bin_file.exists() or not config_file.exists():
+        return None
+    text = json.loads(config_file.read_text())["text_config"]
+    kv_per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * text["head_dim"]
+    return bin_file.stat().st_size + kv_per_token * (prompt_tokens + tokens / 2)
+
+
+def run_rounds(rows: list[Row], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    results: dict[str, list[dict[str, Any]]] = {row.name: [] for row in rows}
+    total = sum(1 if row.once else args.rounds for row in rows)
+    done = 0
+    for r in range(args.rounds):
+        for row in rows:
+            if row.once and r > 0:
+                continue
+            done += 1
+            say(f"[{done}/{total}] round {r + 1}: {row.name} ...")
+            t0 = time.perf_counter()
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", row.runner, str(args.models / row.model),
+                 str(args.size), str(args.tokens), str(r), json.dumps(dict(row.options))],
+                capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                say(f"  failed ({out.returncode}): {out.stderr.strip()[-600:]}")
+                continue
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            results[row.name].append(result)
+            say(f"  {time.perf_counter() - t0:.0f} s: TTFT {result['ttft_s']:.2f} s, "
+                f"{result['tpot_s'] * 1000:.1f} ms/token, peak RSS "
+                f"{result['peak_rss'] / 1e9:.2f} GB")
+    return results
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for field in FIELDS:
+        values = [r[field] for r in runs if r.get(field) is not None]
+        if values:
+            out[field] = statistics.median(values)
+    return out
+
+
+def table(rows: list[Row], med: dict[str, dict[str, float]], machine: dict[str, float],
+          models: Path, tokens: int) -> list[str]:
+    def cell(m: dict[str, float], key: str, scale: float = 1, fmt: str = ".2f") -> str:
+        return format(m[key] * scale, fmt) if key in m else "-"
+
+    lines = ["| system | load s | TTFT s | seen image s | follow-up s | 1280×960 TTFT s "
+             "(tokens) | ms/token | tokens/s | roofline | peak RSS GB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        m = med.get(row.name)
+        if not m:
+            continue
+        roofline = "-"
+        per_token = lm_bytes_per_token(models / row.model, int(m.get("prompt_tokens", 0)), tokens)
+        if per_token and row.runner in ("qvld", "daemon", "genai", "optimum"):
+            roofline = f"{per_token / machine['read_bandwidth'] / m['tpot_s']:.0%}"
+        large = "-"
+        if "ttft_large_s" in m:
+            large = f"{m['ttft_large_s']:.2f} ({int(m.get('large_prompt_tokens', 0))})"
+        load = cell(m, "load_s")
+        lines.append(f"| {row.name} | {load} | {cell(m, 'ttft_s')} | {cell(m, 'ttft_seen_s')} | "
+                     f"{cell(m, 'ttft_follow_up_s')} | {large} | {cell(m, 'tpot_s', 1000, '.1f')}"
+                     f" | {1 / m['tpot_s']:.1f} | {roofline} | {cell(m, 'peak_rss', 1e-9)} |")
+    return lines
+
+
+def verdicts(med: dict[str, dict[str, float]]) -> list[str]:
+    """The issue's targets as ratios (a ratio within 1.03 is a tie)."""
+    def ratio(a: str, b: str, key: str) -> str:
+        if a not in med or b not in med or key not in med[a] or key not in med[b]:
+            return "not measured"
+        value = med[a][key] / med[b][key]
+        word = "tie" if abs(value - 1) <= 0.03 else "better" if value < 1 else "worse"
+        return f"{value:.2f}× ({word})"
+
+    q8, q4 = "qvld engine, int8 (qvld recipe)", "qvld engine, int4 (qvld recipe)"
+    lines = [
+        f"- TTFT, fresh image, qvld int8 / GenAI int8 (optimum-cli IR): "
+        f"{ratio(q8, 'GenAI VLMPipeline, int8 (optimum-cli IR)', 'ttft_s')}; "
+        f"on the same IR: {ratio(q8, 'GenAI VLMPipeline, int8 (qvld IR)', 'ttft_s')}",
+        f"- time per token, qvld int8 / llama.cpp Q8_0: {ratio(q8, 'llama.cpp Q8_0', 'tpot_s')}; "
+        f"qvld int4 / llama.cpp Q4_K_M: {ratio(q4, 'llama.cpp Q4_K_M', 'tpot_s')}",
+        f"- time per token, qvld int8 / GenAI on the same IR: "
+        f"{ratio(q8, 'GenAI VLMPipeline, int8 (qvld IR)', 'tpot_s')}; int4: "
+        f"{ratio(q4, 'GenAI VLMPipeline, int4 (qvld IR)', 'tpot_s')}",
+        f"- peak RSS, qvld int8 / GenAI int8 (same IR): "
+        f"{ratio(q8, 'GenAI VLMPipeline, int8 (qvld IR)', 'peak_rss')}",
+    ]
+    daemon = med.get("qvld daemon + qvlctl client, int8", {})
+    if "ready_cold_s" in daemon:
+        lines.append(f"- daemon READY: cold model cache {daemon['ready_cold_s']:.2f} s, warm "
+                     f"{daemon['ready_warm_s']:.2f} s "
+                     f"({daemon['ready_warm_s'] / daemon['ready_cold_s']:.2f}×); `qvlctl ask` "
+                     f"end to end {daemon.get('qvlctl_ask_s', float('nan')):.2f} s")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,36 +195,46 @@ def main(argv: list[str] | None = None) -> int:
     if args_list and args_list[0] == "--child":
         return child(args_list[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", type=Path)
+    parser.add_argument("models", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--size", type=int, default=448)
-    parser.add_argument("--systems", default="qvld,genai")
+    parser.add_argument("--rows", help="|-separated substrings of row names to run")
+    parser.add_argument("--json", type=Path, help="also write every run's figures here")
     args = parser.parse_args(args_list)
-    systems = args.systems.split(",")
-    if "genai" in systems:
-        ensure_tokenizer_ir(args.model)
-    rows: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
-    for r in range(args.rounds):
-        for system in systems:
-            print(f"round {r + 1}/{args.rounds}: {system} ...", file=sys.stderr, flush=True)
-            out = subprocess.run([sys.executable, __file__, "--child", system, str(args.model),
-                                  str(args.size), str(args.tokens), str(r)],
-                                 capture_output=True, text=True, check=True)
-            rows[system].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    med = {s: {k: statistics.median(row[k] for row in rows[s])
-               for k in ("load_s", "ttft_s", "tpot_s", "peak_rss")} for s in systems}
-    print(f"{args.size}x{args.size} image, {args.tokens} new tokens, medians of "
-          f"{args.rounds} interleaved rounds")
-    print(f"{'system':<8} {'load s':>7} {'TTFT s':>7} {'ms/token':>9} {'peak RSS GB':>12}")
-    for s in systems:
-        m = med[s]
-        print(f"{s:<8} {m['load_s']:>7.2f} {m['ttft_s']:>7.2f} {m['tpot_s'] * 1000:>9.1f} "
-              f"{m['peak_rss'] / 1e9:>12.2f}")
-    if "genai" in med and "qvld" in med:
-        q, g = med["qvld"], med["genai"]
-        print(f"qvld / genai: TTFT {q['ttft_s'] / g['ttft_s']:.2f}x, time per token "
-              f"{q['tpot_s'] / g['tpot_s']:.2f}x, peak RSS {q['peak_rss'] / g['peak_rss']:.2f}x")
+
+    rows = [row for row in ROWS
+            if not args.rows or any(part in row.name for part in args.rows.split("|"))]
+    runnable = []
+    for row in rows:
+        reason = available(row, args.models)
+        if reason:
+            say(f"skipping {row.name}: {reason}")
+        else:
+            runnable.append(row)
+    from systems import ensure_tokenizer_ir
+
+    for row in runnable:
+        if row.runner == "genai":
+            ensure_tokenizer_ir(args.models / row.model)
+    say("measuring this machine's read bandwidth and matmul throughput ...")
+    machine = json.loads(subprocess.run([sys.executable, str(HERE / "machine.py")],
+                                        capture_output=True, text=True, check=True).stdout)
+    say(f"  read {machine['read_bandwidth'] / 1e9:.1f} GB/s ({machine['cores']} cores), "
+        f"matmul f32 {machine['matmul_f32'] / 1e9:.0f} GFLOP/s, bf16 "
+        f"{machine['matmul_bf16'] / 1e9:.0f} GFLOP/s")
+    results = run_rounds(runnable, args)
+    med = {name: medians(runs) for name, runs in results.items() if runs}
+    lines = [f"{args.size}×{args.size} image, {args.tokens} new tokens (eos ignored), medians of "
+             f"{args.rounds} interleaved rounds; machine: {machine['cores']} cores, read "
+             f"{machine['read_bandwidth'] / 1e9:.1f} GB/s, matmul f32 "
+             f"{machine['matmul_f32'] / 1e9:.0f} / bf16 {machine['matmul_bf16'] / 1e9:.0f} "
+             f"GFLOP/s", "", *table(runnable, med, machine, args.models, args.tokens), "",
+             *verdicts(med)]
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine, "runs": results, "medians": med},
+                                        indent=1))
     return 0
 
 
