@@ -7,6 +7,7 @@ that one generation owns everything it runs on; the ``SlotPool`` holds
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
 import tempfile
@@ -134,6 +135,29 @@ def weight_layout(model: ov.Model) -> WeightLayout | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+_MADV_DONTNEED = 4
+
+
+def release_file_pages(files: set[str]) -> int:
+    """Drop this process's resident pages of its read-only mappings of ``files``.
+
+    OpenVINO maps the IR's .bin and, on the first inference, repacks the weights into
+    memory of its own; the mapped pages it read stay resident (and counted in RSS and the
+    service's cgroup) beside the copy. They are clean: if anything reads them again the
+    kernel faults them back in from the file. Returns the bytes of mappings advised.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    released = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[5] not in files or "w" in fields[1]:
+            continue  # a writable private mapping may hold changes: never dropped
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0:
+            released += hi - lo
+    return released
+
+
 def usable_cache_dir(path: Path) -> bool:
     """Whether the compiled-model cache can be written; if not, serve without it."""
     try:
@@ -220,6 +244,9 @@ class CompiledModels:
                                         "vision_embeddings_pos_model")
         self.vision_merger = compile_model(load("vision_embeddings_merger_model"),
                                            "vision_embeddings_merger_model")
+        self.weight_files = {str(spec.ir(sub).with_suffix(".bin").resolve()) for sub in (
+            "language_model", "text_embeddings_model", "vision_embeddings_model",
+            "vision_embeddings_pos_model", "vision_embeddings_merger_model")}
         self.hidden_size = spec.hidden_size
         self.deepstack_layers = spec.vision.deepstack_layers
         kv_type = self.language.get_property("KV_CACHE_PRECISION")

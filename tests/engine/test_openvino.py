@@ -10,11 +10,12 @@ import openvino.opset13 as ops
 import pytest
 
 from qvld.config import Config, EngineConfig, ModelConfig
-from qvld.engine import Engine
+from qvld.engine import Engine, GenerateRequest
 from qvld.engine.openvino import (
     WeightLayout,
     auto_dynamic_quantization,
     patch_embedding_as_matmul,
+    release_file_pages,
     weight_layout,
 )
 
@@ -97,3 +98,31 @@ def test_the_engine_serves_the_rewritten_patch_embedding(tiny_dir: Path) -> None
     engine = Engine(Config(model=ModelConfig(path=tiny_dir), engine=EngineConfig(
         infer_requests=1)))
     assert engine.models.patch_matmul
+
+
+def resident_bytes(files: set[str]) -> int:
+    """Rss of this process's mappings of ``files`` (from /proc/self/smaps)."""
+    total, current = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+            current = len(fields) >= 6 and fields[5] in files
+        elif current and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_mapped_weight_pages_are_released_and_answers_unchanged(tiny_dir: Path) -> None:
+    engine = Engine(Config(model=ModelConfig(path=tiny_dir, precision="f32",
+                                             kv_cache_precision="f32"),
+                           engine=EngineConfig(infer_requests=1)))
+    request = GenerateRequest(messages=[{"role": "user", "content": "Count to five."}],
+                              max_tokens=8, temperature=0.0)
+    before = engine.generate(request).token_ids
+    files = engine.models.weight_files
+    assert resident_bytes(files) > 0, "the IR's weights are not mapped: nothing to test"
+    assert release_file_pages(files) > 0
+    assert resident_bytes(files) == 0
+    assert engine.generate(request).token_ids == before
+    engine.warmup()  # which releases them too
+    assert resident_bytes(files) == 0
