@@ -27,7 +27,7 @@ from openvino import __version__ as _openvino_version
 from prometheus_client import CollectorRegistry
 
 from qvld import __version__, tuning
-from qvld.config import Config, load_config
+from qvld.config import Config, load_config, with_systemd_cache_dir
 from qvld.engine import Engine
 from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
@@ -126,7 +126,7 @@ class App:
 
     def _load_engine(self, config: Config) -> Engine:
         t0 = time.perf_counter()
-        engine = Engine(config)
+        engine = Engine(with_systemd_cache_dir(config))
         log.info("model %s compiled in %.1f s (%s)", engine.spec.path, engine.load_s,
                  ", ".join(f"{k}={v}" for k, v in engine.models.runtime_properties.items()))
         if config.model.warmup:
@@ -141,7 +141,7 @@ class App:
 
     def _preflight_and_tune(self) -> None:
         """Check the system, apply tuning, and let the engine's threads follow the pins."""
-        checks = run_checks(self.config)
+        checks = run_checks(with_systemd_cache_dir(self.config))
         actions, cpus = tuning.apply(self.config)
         self.preflight = report(checks, [a.to_dict() for a in actions])
         self.metrics.set_preflight(self.preflight["checks"])

@@ -10,7 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qvld import __version__
-from qvld.config import Config, ConfigError, default_config_path, load_config
+from qvld.config import (
+    Config,
+    ConfigError,
+    default_config_path,
+    load_config,
+    with_systemd_cache_dir,
+)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
 
@@ -70,7 +76,7 @@ def preflight(config: Config, as_json: bool, textfile: Path | None) -> int:
     from qvld import preflight as checks
     from qvld import tuning
 
-    results = checks.run_checks(config)
+    results = checks.run_checks(with_systemd_cache_dir(config))
     plan = [a.to_dict() for a in tuning.dry_run(config)]
     document = checks.report(results, plan)
     if textfile is not None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -65,7 +66,8 @@ class Daemon:
 
     def __init__(self, workdir: Path, model: Path = TINY, args: Sequence[str] = (),
                  config_text: str = "", socket_path: Path | None = None,
-                 metrics_listen: str = "") -> None:
+                 metrics_listen: str = "", env: dict[str, str] | None = None) -> None:
+        self.env = None if env is None else {**os.environ, **env}
         self.workdir = workdir
         self.socket = socket_path or workdir / "qvld.sock"
         self.log_path = workdir / "qvld.log"
@@ -79,7 +81,8 @@ class Daemon:
 
     def start(self, wait_ready: bool = True, timeout: float = 60) -> Daemon:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env)
         if wait_ready:
             self.wait_ready(timeout)
         return self

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qvld.config import Config, ConfigError, iter_keys, load_config
+from qvld.config import Config, ConfigError, iter_keys, load_config, with_systemd_cache_dir
+from tests.conftest import Daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "etc" / "qvld" / "qvld.yaml"
@@ -110,3 +111,25 @@ def test_check_config_validates_the_model_dir(tmp_path: Path, tiny_dir: Path) ->
     unset = qvld("check-config", "--config", str(empty))
     assert unset.returncode == 78
     assert qvld("--bogus").returncode == 2
+
+
+def test_systemd_cache_directory_is_the_default_cache_dir(tmp_path: Path) -> None:
+    config = Config()
+    assert with_systemd_cache_dir(config, {}).model.cache_dir is None
+    chosen = with_systemd_cache_dir(config, {"CACHE_DIRECTORY": "/var/cache/qvld:/x"})
+    assert chosen.model.cache_dir == Path("/var/cache/qvld")
+    own = Config.model_validate({"model": {"cache_dir": str(tmp_path)}})
+    assert with_systemd_cache_dir(own, {"CACHE_DIRECTORY": "/var/cache/qvld"}) is own
+
+
+def test_the_daemon_compiles_into_systemds_cache_directory(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    daemon = Daemon(tmp_path, env={"CACHE_DIRECTORY": str(cache)}).start()
+    try:
+        with daemon.client() as client:
+            checks = {c["id"]: c for c in client.call("preflight")["checks"]}
+        assert checks["cache_dir"]["status"] == "ok", checks["cache_dir"]
+        assert any(cache.iterdir()), "OpenVINO wrote no compiled model into the cache"
+    finally:
+        assert daemon.stop() == 0
