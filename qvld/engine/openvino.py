@@ -212,8 +212,11 @@ class CompiledModels:
 
     def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
         core = ov.Core()
-        if model_cfg.cache_dir is not None and usable_cache_dir(model_cfg.cache_dir):
-            core.set_property({"CACHE_DIR": str(model_cfg.cache_dir)})
+        cache_dir = model_cfg.cache_dir
+        if cache_dir is not None and usable_cache_dir(cache_dir):
+            core.set_property({"CACHE_DIR": str(cache_dir)})
+        else:
+            cache_dir = None
 
         def load(submodel: str) -> ov.Model:
             path = spec.ir(submodel)
@@ -244,9 +247,13 @@ class CompiledModels:
                                         "vision_embeddings_pos_model")
         self.vision_merger = compile_model(load("vision_embeddings_merger_model"),
                                            "vision_embeddings_merger_model")
+        # Where the weights are mapped from: the IR's .bin files, or the compiled blobs
+        # when the model cache served them.
         self.weight_files = {str(spec.ir(sub).with_suffix(".bin").resolve()) for sub in (
             "language_model", "text_embeddings_model", "vision_embeddings_model",
             "vision_embeddings_pos_model", "vision_embeddings_merger_model")}
+        if cache_dir is not None:
+            self.weight_files |= {str(p.resolve()) for p in cache_dir.glob("*.blob")}
         self.hidden_size = spec.hidden_size
         self.deepstack_layers = spec.vision.deepstack_layers
         kv_type = self.language.get_property("KV_CACHE_PRECISION")

@@ -126,3 +126,16 @@ def test_mapped_weight_pages_are_released_and_answers_unchanged(tiny_dir: Path) 
     assert engine.generate(request).token_ids == before
     engine.warmup()  # which releases them too
     assert resident_bytes(files) == 0
+
+
+def test_blobs_from_the_model_cache_are_released_too(tiny_dir: Path, tmp_path: Path) -> None:
+    def load() -> Engine:
+        return Engine(Config(model=ModelConfig(path=tiny_dir, cache_dir=tmp_path),
+                             engine=EngineConfig(infer_requests=1)))
+
+    load()  # fills the cache
+    engine = load()  # served from it
+    blobs = {str(p.resolve()) for p in tmp_path.glob("*.blob")}
+    assert blobs and blobs <= engine.models.weight_files
+    engine.warmup()
+    assert resident_bytes(engine.models.weight_files) == 0
