@@ -65,11 +65,11 @@ def forced_logits(engine: Engine, request: GenerateRequest, continuation: list[i
                                    visual_mask=prompt.visual_mask[:n], keys=prompt.keys[:n])
         first = prefill(slot, head, 0, engine.config.engine.prefill_chunk, never)
         assert first is not None
-        rows = [first]
+        rows = [first.copy()]  # step() reuses its logits buffer
         for i in range(n, len(full)):
             embeds = slot.embed(np.asarray(full[i:i + 1]))
             rows.append(slot.step(embeds, prompt.positions[:, i:i + 1],
-                                  np.zeros(1, dtype=bool), slot.no_deepstack()))
+                                  np.zeros(1, dtype=bool), slot.no_deepstack()).copy())
         slot.reset()
     return ids, np.stack(rows)
 

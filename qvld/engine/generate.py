@@ -127,6 +127,10 @@ def run_generation(
     stop_at: int | None = None
     gaps: list[float] = []
     t_last = 0.0
+    # Decode-step inputs, reused every step.
+    position = np.zeros((3, 1), dtype=np.int64)
+    token_buf = np.zeros(1, dtype=np.int64)
+    no_visual = np.zeros(1, dtype=bool)
     while True:
         token = sampler.choose(logits)
         now = time.perf_counter()
@@ -135,9 +139,12 @@ def run_generation(
         else:
             gaps.append(now - t_last)
         t_last = now
+        # Only text the new token can have changed is searched for stop strings.
+        searched = max(0, text.settled_length - stops.longest + 1)
         text.add(token)
         pending.append(token)
-        if token in eos or (stops.stops and (stop_at := stops.find(text.text)) is not None):
+        if token in eos or (stops.stops and
+                            (stop_at := stops.find(text.text, searched)) is not None):
             finish = "stop"
         elif len(text.ids) >= max_tokens or len(prompt.ids) + len(text.ids) >= max_context:
             finish = "length"
@@ -151,9 +158,9 @@ def run_generation(
             if limit > released:
                 on_token(stable[released:limit], pending)
                 released, pending = limit, []
-        position = np.full((3, 1), slot.past_len + prompt.rope_delta, dtype=np.int64)
-        embeds = slot.embed(np.asarray([token]))
-        logits = slot.step(embeds, position, np.zeros(1, dtype=bool), slot.no_deepstack())
+        position[:] = slot.past_len + prompt.rope_delta
+        token_buf[0] = token
+        logits = slot.step(slot.embed(token_buf), position, no_visual, slot.no_deepstack())
         slot.history.append((token, None))
     final = text.text if stop_at is None else text.text[:stop_at]
     if on_token is not None and (len(final) > released or pending):

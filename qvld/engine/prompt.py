@@ -84,6 +84,11 @@ class TextTokenizer:
         except Exception as exc:  # tokenizers raises plain Exception
             raise ModelInvalid(f"{path} cannot be loaded: {exc}") from exc
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added (special) tokens included."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -123,16 +128,32 @@ def expand_image_pads(ids: Sequence[int], image_token_id: int,
 
 
 class IncrementalText:
-    """Text of a growing id list, released only up to complete UTF-8 characters."""
+    """Text of a growing id list, released only up to complete UTF-8 characters.
+
+    Each new id decodes a short window, not the whole list: the text of ids[start:] minus
+    that of ids[start:settled] is what the new ids add (both begin at the same id, so a
+    decoder's special treatment of a sequence start cancels out). The window moves on
+    whenever its text ends in a complete character, so the work per token does not grow
+    with the length of the answer.
+    """
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self.settled_length = 0  # len(text) that no later id can change
+        self._start = 0  # first id of the window
+        self._settled = 0  # ids whose text is final
+        self._window_settled = ""  # text of ids[_start:_settled]
 
     def add(self, token_id: int) -> None:
         self.ids.append(token_id)
-        self.text = self._tokenizer.decode(self.ids)
+        window = self._tokenizer.decode(self.ids[self._start:])
+        self.text = self.text[:self.settled_length] + window[len(self._window_settled):]
+        if not window.endswith("\ufffd"):
+            self.settled_length = len(self.text)
+            self._start, self._settled = self._settled, len(self.ids)
+            self._window_settled = self._tokenizer.decode(self.ids[self._start:])
 
     def stable_text(self) -> str:
         """The text so far without a trailing incomplete character (U+FFFD)."""

@@ -32,16 +32,23 @@ class Sampler:
         self._seen = np.zeros(vocab_size, dtype=bool)  # in the prompt or generated
         self._seen[ids[(ids >= 0) & (ids < vocab_size)]] = True
         self._generated = np.zeros(vocab_size, dtype=bool)
+        # The same sets as id lists, so that penalties touch only those ids, never the
+        # whole vocabulary (capacity: every id once).
+        self._seen_ids = np.zeros(vocab_size, dtype=np.int64)
+        self._n_seen = int(np.count_nonzero(self._seen))
+        self._seen_ids[:self._n_seen] = np.flatnonzero(self._seen)
+        self._generated_ids = np.zeros(vocab_size, dtype=np.int64)
+        self._n_generated = 0
 
     def _penalise(self, logits: np.ndarray) -> None:
         p = self.params
         if p.repetition_penalty != 1.0:
-            idx = np.flatnonzero(self._seen)
+            idx = self._seen_ids[:self._n_seen]
             vals = logits[idx]
             logits[idx] = np.where(vals < 0, vals * p.repetition_penalty,
                                    vals / p.repetition_penalty)
         if p.presence_penalty:
-            logits[self._generated] -= p.presence_penalty
+            logits[self._generated_ids[:self._n_generated]] -= p.presence_penalty
 
     def choose(self, logits: np.ndarray) -> int:
         """Pick the next token from the last position's logits (modified in place)."""
@@ -51,8 +58,14 @@ class Sampler:
             token = int(np.argmax(logits))
         else:
             token = self._sample(logits / np.float32(p.temperature))
-        self._generated[token] = True
-        self._seen[token] = True
+        if not self._generated[token]:
+            self._generated[token] = True
+            self._generated_ids[self._n_generated] = token
+            self._n_generated += 1
+        if not self._seen[token]:
+            self._seen[token] = True
+            self._seen_ids[self._n_seen] = token
+            self._n_seen += 1
         return token
 
     def _sample(self, scores: np.ndarray) -> int:
@@ -79,10 +92,11 @@ class StopStrings:
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
 
-    def find(self, text: str) -> int | None:
-        """Index where the earliest stop string starts, or None."""
-        hits = [i for s in self.stops if (i := text.find(s)) >= 0]
+    def find(self, text: str, start: int = 0) -> int | None:
+        """Index where the earliest stop string starts at or after ``start``, or None."""
+        hits = [i for s in self.stops if (i := text.find(s, start)) >= 0]
         return min(hits) if hits else None
 
     def holdback(self, text: str) -> int:

@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qvld.engine.model_dir import find_chat_template, load_model_spec
 from qvld.engine.prompt import ChatTemplate, IncrementalText, TextTokenizer, expand_image_pads
@@ -85,6 +87,23 @@ def test_incremental_text_never_releases_half_a_character(tiny_dir: Path) -> Non
     assert all("\ufffd" not in r for r in released)
     assert released[-1] == "a𝄞b"
     assert len(ids) > 3  # the character really was split
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_incremental_text_equals_decoding_everything(tiny_dir: Path, data: st.DataObject) -> None:
+    """At every step, whatever the ids (split characters, invalid bytes, special tokens)."""
+    tok = TextTokenizer(tiny_dir / "tokenizer.json")
+    vocab = tok.vocab_size
+    samples = "héllo wörld 𝄞 日本語 ok\n" + "".join(chr(c) for c in range(0x1F600, 0x1F610))
+    ids = data.draw(st.one_of(
+        st.lists(st.integers(0, vocab - 1), max_size=40),
+        st.text(alphabet=samples, max_size=30).map(tok.encode)))
+    text = IncrementalText(tok)
+    for i, token in enumerate(ids):
+        text.add(token)
+        assert text.text == tok.decode(ids[:i + 1])
+        assert text.text[:text.settled_length] == tok.decode(ids[:i + 1])[:text.settled_length]
 
 
 def test_model_spec_reads_ids_and_limits(tiny_dir: Path) -> None:
