@@ -39,13 +39,15 @@ class ModelConfig(_Section):
     path: Path | None = None
     device: Literal["CPU"] = "CPU"
     backend: Literal["openvino"] = "openvino"
+    # auto: f32 for a language model with int8/int4 weights (OpenVINO quantises its
+    # activations dynamically only at f32: the fastest decode), the runtime's default
+    # (bf16 where the CPU has it) for the vision models and float weights.
     precision: Literal["auto", "f32", "bf16"] = "auto"
     kv_cache_precision: Literal["auto", "f32", "f16", "u8"] = "auto"
     cache_dir: Path | None = None
     warmup: bool = True
-    # OpenVINO's dynamic quantisation of activations for int8/int4 weights: auto (off
-    # for per-channel int8, the weights' group size for grouped ones, else the runtime's
-    # default), off, or a group size.
+    # OpenVINO's dynamic quantisation of activations for int8/int4 weights (at f32):
+    # auto (the weights' group size, 128 for per-channel weights), off, or a group size.
     dynamic_quantization: int | Literal["auto", "off"] = "auto"
 
 

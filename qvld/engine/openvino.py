@@ -175,28 +175,40 @@ def usable_cache_dir(path: Path) -> bool:
     return True
 
 
+def auto_precision(layout: WeightLayout | None, language: bool) -> str | None:
+    """f32 for a language model with compressed weights, else the runtime's default.
+
+    OpenVINO's CPU plugin quantises activations dynamically (int8 dot products against
+    int8/int4 weights) only at f32; at bf16 (its default where the CPU has AMX or
+    AVX512-BF16) every step decompresses the weights to bf16 instead. Measured here on the
+    full-size model (BENCHMARKS.md): int8 decode 160 -> 100 ms a token, int4 100 -> 65,
+    prefill about the same. The vision models keep bf16, where AMX makes them faster.
+    """
+    return "f32" if language and layout is not None else None
+
+
 def auto_dynamic_quantization(layout: WeightLayout | None) -> int | None:
-    """The activation quantisation group that decodes fastest for these weights here
-    (BENCHMARKS.md): off for per-channel int8 (the runtime's default group of 32 made it
-    the slowest), the weights' own group for grouped ones (a mismatch was slower still),
-    the runtime's default (None) for per-channel int4 and float weights."""
+    """The activation quantisation group for these weights: the weights' own group for
+    grouped ones (a mismatch was slower), 128 for per-channel ones (32, the runtime's
+    default, made prefill 1.5x slower for the same decode speed), None for float weights."""
     if layout is None:
         return None
-    if layout.group_size > 0:
-        return layout.group_size
-    return 0 if layout.bits == 8 else None
+    return layout.group_size if layout.group_size > 0 else 128
 
 
 def compile_properties(model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                       layout: WeightLayout | None = None) -> dict[str, Any]:
+                       layout: WeightLayout | None = None, language: bool = False
+                       ) -> dict[str, Any]:
     props: dict[str, Any] = {
         "PERFORMANCE_HINT": "LATENCY",
         "NUM_STREAMS": str(engine_cfg.streams),
     }
     if engine_cfg.threads != "auto":
         props["INFERENCE_NUM_THREADS"] = int(engine_cfg.threads)
-    if model_cfg.precision != "auto":
-        props["INFERENCE_PRECISION_HINT"] = model_cfg.precision
+    precision = (auto_precision(layout, language) if model_cfg.precision == "auto"
+                 else model_cfg.precision)
+    if precision is not None:
+        props["INFERENCE_PRECISION_HINT"] = precision
     if model_cfg.kv_cache_precision != "auto":
         props["KV_CACHE_PRECISION"] = model_cfg.kv_cache_precision
     dq = model_cfg.dynamic_quantization
@@ -228,7 +240,8 @@ class CompiledModels:
 
         def compile_model(model: ov.Model, submodel: str) -> ov.CompiledModel:
             # Each submodel gets the activation quantisation its own weights call for.
-            props = compile_properties(model_cfg, engine_cfg, weight_layout(model))
+            props = compile_properties(model_cfg, engine_cfg, weight_layout(model),
+                                       language=submodel == "language_model")
             try:
                 return core.compile_model(model, model_cfg.device, props)
             except RuntimeError as exc:
@@ -308,6 +321,12 @@ class Slot:
         self._vision_pos = models.vision_pos.create_infer_request()
         self._merger = models.vision_merger.create_infer_request()
         self.past_len = 0
+        # Inputs every step passes, allocated once: a view of ``_ones`` is the mask.
+        self._ones = np.ones((1, 4096), dtype=np.int64)
+        self._beam_idx = np.zeros(1, dtype=np.int32)
+        self._no_deepstack = np.zeros((models.deepstack_layers, 1, models.hidden_size),
+                                      np.float32)
+        self._logits = np.zeros(0, dtype=np.float32)
         # (token id, image hash or None) per position held in the KV cache.
         self.history: list[tuple[int, bytes | None]] = []
         # When the infer call now running started (the watchdog looks at it).
@@ -349,24 +368,31 @@ class Slot:
         """Run the LM on ``embeds`` [S,H] after ``past_len`` cached positions.
 
         positions [3,S]; visual_mask [S] bool; deepstack [k,Nvis,H] for the masked rows
-        (zeros [k,1,H] when there are none). Returns the last position's logits [V].
+        (zeros [k,1,H] when there are none). Returns the last position's logits [V], in a
+        buffer the next step overwrites (copy it to keep it).
         """
         seq = embeds.shape[0]
+        total = self.past_len + seq
+        if total > self._ones.shape[1]:  # grows by doubling: rare, never per step
+            self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
         inputs = {
             "inputs_embeds": embeds.reshape(1, seq, -1),
-            "attention_mask": np.ones((1, self.past_len + seq), dtype=np.int64),
-            "position_ids": positions.reshape(3, 1, seq).astype(np.int64),
+            "attention_mask": self._ones[:, :total],
+            "position_ids": np.asarray(positions, dtype=np.int64).reshape(3, 1, seq),
             "visual_pos_masks": visual_mask.reshape(1, seq),
             "deepstack_visual_embeds": deepstack,
-            "beam_idx": np.zeros(1, dtype=np.int32),
+            "beam_idx": self._beam_idx,
         }
         out = self._infer(self._lm, inputs)
         self.past_len += seq
-        logits = out[0]
-        return np.array(logits[0, -1], dtype=np.float32)
+        last = out[0][0, -1]
+        if self._logits.shape != last.shape:
+            self._logits = np.empty(last.shape, dtype=np.float32)
+        np.copyto(self._logits, last)  # the sampler may change it; OpenVINO's stays intact
+        return self._logits
 
     def no_deepstack(self) -> np.ndarray:
-        return np.zeros((self._models.deepstack_layers, 1, self._models.hidden_size), np.float32)
+        return self._no_deepstack
 
     def vision_patches(self, patches: np.ndarray) -> np.ndarray:
         return np.array(self._infer(self._vision, {"hidden_states": patches})[0])

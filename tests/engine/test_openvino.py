@@ -14,6 +14,8 @@ from qvld.engine import Engine, GenerateRequest
 from qvld.engine.openvino import (
     WeightLayout,
     auto_dynamic_quantization,
+    auto_precision,
+    compile_properties,
     patch_embedding_as_matmul,
     release_file_pages,
     weight_layout,
@@ -62,11 +64,27 @@ def test_float_weights_have_no_layout(tiny_dir: Path) -> None:
 
 
 def test_auto_dynamic_quantization_follows_the_weights() -> None:
-    assert auto_dynamic_quantization(WeightLayout(8, True, -1)) == 0
-    assert auto_dynamic_quantization(WeightLayout(8, False, -1)) == 0
+    assert auto_dynamic_quantization(WeightLayout(8, True, -1)) == 128
+    assert auto_dynamic_quantization(WeightLayout(8, False, -1)) == 128
     assert auto_dynamic_quantization(WeightLayout(4, True, 64)) == 64
-    assert auto_dynamic_quantization(WeightLayout(4, True, -1)) is None
+    assert auto_dynamic_quantization(WeightLayout(4, True, -1)) == 128
     assert auto_dynamic_quantization(None) is None
+
+
+def test_auto_precision_is_f32_only_for_a_compressed_language_model() -> None:
+    int8 = WeightLayout(8, True, -1)
+    assert auto_precision(int8, language=True) == "f32"
+    assert auto_precision(int8, language=False) is None  # vision: bf16 where AMX helps
+    assert auto_precision(None, language=True) is None
+    settings = compile_properties(ModelConfig(path=Path(".")), EngineConfig(), int8,
+                                  language=True)
+    assert settings["INFERENCE_PRECISION_HINT"] == "f32"
+    assert settings["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 128
+    explicit = compile_properties(ModelConfig(path=Path("."), precision="bf16",
+                                              dynamic_quantization="off"),
+                                  EngineConfig(), int8, language=True)
+    assert explicit["INFERENCE_PRECISION_HINT"] == "bf16"
+    assert explicit["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 0
 
 
 def test_runtime_reports_the_weights_it_serves(tiny_dir: Path) -> None:
