@@ -8,11 +8,12 @@ candidate, and the logits each computes for every next token are compared with t
 reference's at the same position — the top-1 token agreement and the mean KL(ref || cand)
 in nats, over 4 prompts (two with a scene image, two text only).
 
-``precision``: the reference is qvld's engine at f32 compute and f32 KV cache (which
-equals transformers fp32 token for token); candidates are the other precision settings.
+``precision``: the reference is qvld's engine at f32 compute, f32 KV cache and no dynamic
+quantisation (which equals transformers fp32 token for token on the tiny models);
+candidates are the other settings, qvld's default among them.
 ``quantisation``: the reference is transformers at bf16 on the unquantised checkpoint
 (the model the quantised exports came from); candidates are those exports run by qvld's
-engine at its default precision.
+engine at its defaults and at bf16 without dynamic quantisation.
 """
 
 from __future__ import annotations
@@ -43,9 +44,24 @@ def messages(image_seed: int | None, text: str, size: int) -> list[dict[str, Any
     return [{"role": "user", "content": content}]
 
 
-def engine_for(model: Path, precision: str = "auto", kv: str = "auto") -> Engine:
+# (label, compute precision, KV cache precision, dynamic quantisation)
+Setting = tuple[str, str, str, str]
+REFERENCE: Setting = ("f32 compute, f32 KV, no DQ", "f32", "f32", "off")
+PRECISIONS: list[Setting] = [
+    REFERENCE,  # again: a control that must give 100 % and KL 0
+    ("qvld default (auto)", "auto", "auto", "auto"),
+    ("bf16 compute, f32 KV", "bf16", "f32", "off"),
+    ("f32 compute, u8 KV", "f32", "u8", "off"),
+    ("f32 compute + DQ, f32 KV", "f32", "f32", "auto"),
+    ("bf16 compute, u8 KV", "bf16", "u8", "off"),
+]
+
+
+def engine_for(model: Path, setting: Setting = ("", "auto", "auto", "auto")) -> Engine:
+    _, precision, kv, dq = setting
     return Engine(Config(model=ModelConfig(path=model, precision=precision,  # type: ignore[arg-type]
-                                           kv_cache_precision=kv),  # type: ignore[arg-type]
+                                           kv_cache_precision=kv,  # type: ignore[arg-type]
+                                           dynamic_quantization=dq),  # type: ignore[arg-type]
                          engine=EngineConfig(infer_requests=1, image_cache_mb=0, kv_cache_mb=0)))
 
 
@@ -97,7 +113,7 @@ HEADER = "| candidate | top-1 agreement | mean KL (nats) | max abs logit diff | 
 
 
 def precision(model: Path, tokens: int, size: int) -> None:
-    reference = engine_for(model, "f32", "f32")
+    reference = engine_for(model, REFERENCE)
     cases = []
     for seed, text in PROMPTS:
         request = GenerateRequest(messages=messages(seed, text, size), max_tokens=tokens,
@@ -105,16 +121,18 @@ def precision(model: Path, tokens: int, size: int) -> None:
         continuation = reference.generate(request).token_ids
         cases.append((request, continuation, forced_logits(reference, request, continuation)[1]))
     del reference
-    print(f"{model.name}: reference f32 compute, f32 KV cache\n{HEADER}")
-    # f32/f32 again first: a control that must give 100 % and KL 0.
-    for compute, kv in (("f32", "f32"), ("bf16", "f32"), ("f32", "u8"), ("bf16", "u8"),
-                        ("bf16", "f16")):
-        engine = engine_for(model, compute, kv)
-        report(f"{compute} compute, {kv} KV", [
-            (ref, forced_logits(engine, request, cont)[1]) for request, cont, ref in cases])
+    print(f"{model.name}: reference {REFERENCE[0]}\n{HEADER}")
+    for setting in PRECISIONS:
+        engine = engine_for(model, setting)
+        props = engine.models.runtime_properties
+        label = (f"{setting[0]} = {props['INFERENCE_PRECISION_HINT']}, KV "
+                 f"{props['KV_CACHE_PRECISION']}, DQ {props['DYNAMIC_QUANTIZATION_GROUP_SIZE']}")
+        report(label, [(ref, forced_logits(engine, request, cont)[1])
+                       for request, cont, ref in cases])
 
 
-def quantisation(hf_dir: Path, models: list[Path], tokens: int, size: int) -> None:
+def quantisation(hf_dir: Path, models: list[Path], tokens: int, size: int,
+                 control: bool = False) -> None:
     import torch
     from PIL import Image
     from systems import build_processor
@@ -123,7 +141,7 @@ def quantisation(hf_dir: Path, models: list[Path], tokens: int, size: int) -> No
     torch.set_num_threads(2)
     hf = Qwen3VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
     processor = build_processor(hf_dir)
-    tokenizer_engine = engine_for(models[0])
+    tokenizer_engine = engine_for(models[0])  # its tokeniser and template: the prompt ids
     cases = []
     for seed, text in PROMPTS:
         request = GenerateRequest(messages=messages(seed, text, size), max_tokens=tokens,
@@ -149,15 +167,25 @@ def quantisation(hf_dir: Path, models: list[Path], tokens: int, size: int) -> No
             extra["input_ids"] = full
             extra["attention_mask"] = torch.ones_like(full)
             logits = hf(**extra).logits[0, len(ids) - 1:].float().numpy()
-        cases.append((request, continuation, logits))
+        cases.append((request, continuation, logits, extra))
+    print(f"reference: transformers bf16 on {hf_dir.name}\n{HEADER}", flush=True)
+    if control:
+        # The same checkpoint in transformers at fp32: how far precision alone moves
+        # these logits (random weights give flat distributions: top-1 is fragile).
+        hf = hf.float()
+        with torch.inference_mode():
+            report("transformers fp32 (control: no quantisation)", [
+                (ref, hf(**extra).logits[0, len(extra["input_ids"][0]) - len(cont):].numpy())
+                for _, cont, ref, extra in cases])
     del hf, tokenizer_engine
-    print(f"reference: transformers bf16 on {hf_dir.name}; candidates at qvld's default "
-          f"precision\n{HEADER}")
     for model in models:
-        engine = engine_for(model)
-        report(f"{model.name} ({engine.models.runtime_properties['WEIGHTS']})", [
-            (ref, forced_logits(engine, request, cont)[1]) for request, cont, ref in cases])
-        del engine
+        for setting in (("qvld default", "auto", "auto", "auto"),
+                        ("bf16, no DQ", "bf16", "auto", "off")):
+            engine = engine_for(model, setting)
+            report(f"{model.name} ({engine.models.runtime_properties['WEIGHTS']}), "
+                   f"{setting[0]}", [(ref, forced_logits(engine, request, cont)[1])
+                                     for request, cont, ref, _ in cases])
+            del engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dirs", type=Path, nargs="+")
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--size", type=int, default=448)
+    parser.add_argument("--control", action="store_true",
+                        help="quantisation: also transformers fp32 against its bf16")
     args = parser.parse_args(argv)
     if args.mode == "precision":
         for model in args.dirs:
@@ -173,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if len(args.dirs) < 2:
             parser.error("quantisation needs HF_DIR and at least one OV_DIR")
-        quantisation(args.dirs[0], args.dirs[1:], args.tokens, args.size)
+        quantisation(args.dirs[0], args.dirs[1:], args.tokens, args.size, args.control)
     return 0
 
 
