@@ -18,6 +18,8 @@ from tests.conftest import Daemon
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = {"fp32": {"f32"}, "fp16": {"f16"}, "int8": {"u8", "i8"}, "int4": {"u4", "i4"}}
+LAYOUT = {"fp32": "float", "fp16": "float", "int8": "int8 sym per channel",
+          "int4": "int4 sym per channel"}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,8 @@ def test_convert_each_weight_format_and_serve_it(checkpoint: Path, tmp_path: Pat
     language = info["weights"]["language_model"]
     dominant = max(language, key=language.get)
     assert dominant in EXPECTED[weights], language
+    # qvld's recipe: symmetric, one scale per output channel (int4: every layer).
+    assert info["language_model_layout"] == LAYOUT[weights]
     assert info["text"]["hidden_size"] == 128 and info["chat_template"]
     daemon = Daemon(tmp_path, model=dst).start()
     try:
@@ -85,3 +89,13 @@ def test_info_refuses_what_is_not_an_export(tmp_path: Path, checkpoint: Path) ->
     out = qvlctl("model", "info", str(checkpoint))
     assert out.returncode == 4
     assert "lacks openvino_language_model.xml" in out.stdout
+
+
+def test_convert_other_recipes_on_request(checkpoint: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "tiny-int4-asym-g16"
+    out = qvlctl("model", "convert", str(checkpoint), str(dst), "--weights", "int4",
+                 "--asym", "--group-size", "16", "--lm-head-int8")
+    assert out.returncode == 0, out.stderr
+    assert "int4 asym group 16, ratio 1, lm_head int8" in out.stderr
+    info = json.loads(qvlctl("model", "info", str(dst), "--json").stdout)
+    assert info["loadable"] and info["language_model_layout"] == "int4 asym group 16"
