@@ -35,8 +35,9 @@ LARGE = (1280, 960)  # a photo-sized image, sent as is: each system applies its 
 Result = dict[str, Any]
 
 
-def peak_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def peak_rss(pid: int | str = "self") -> int:
+    """VmHWM of a process (this one by default), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return 0
@@ -95,13 +96,6 @@ def run_qvld(model: Path, size: int, tokens: int, seed: int, **_: Any) -> Result
 
 # -- qvld: the daemon, asked through qvlctl's client ------------------------------------
 
-def _daemon_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _start_daemon(model: Path, workdir: Path, cache: Path) -> tuple[subprocess.Popen[bytes], float]:
     """Start qvld; return it and the seconds until health says ready."""
     from qvlctl.client import Client
@@ -159,7 +153,7 @@ def run_daemon(model: Path, size: int, tokens: int, seed: int, **_: Any) -> Resu
                             str(image_file), PROMPT],
                            check=True, capture_output=True)
             qvlctl_s = time.perf_counter() - t0
-            rss = _daemon_rss(proc.pid)
+            rss = peak_rss(proc.pid)
         finally:
             proc.terminate()
             proc.wait(60)

@@ -238,9 +238,10 @@ class CompiledModels:
                 raise ModelInvalid(f"{path.name} (or its .bin) cannot be read: "
                                    f"{_last_line(exc)}") from exc
 
-        def compile_model(model: ov.Model, submodel: str) -> ov.CompiledModel:
+        def compile_model(model: ov.Model, submodel: str,
+                          layout: WeightLayout | None = None) -> ov.CompiledModel:
             # Each submodel gets the activation quantisation its own weights call for.
-            props = compile_properties(model_cfg, engine_cfg, weight_layout(model),
+            props = compile_properties(model_cfg, engine_cfg, layout or weight_layout(model),
                                        language=submodel == "language_model")
             try:
                 return core.compile_model(model, model_cfg.device, props)
@@ -251,7 +252,7 @@ class CompiledModels:
         lm = load("language_model")
         self.weight_layout = weight_layout(lm)
         self.logits_sliced = slice_logits_to_last_position(lm)
-        self.language = compile_model(lm, "language_model")
+        self.language = compile_model(lm, "language_model", self.weight_layout)
         self.embeddings = compile_model(load("text_embeddings_model"), "text_embeddings_model")
         patch_model = load("vision_embeddings_model")
         self.patch_matmul = patch_embedding_as_matmul(patch_model)
