@@ -70,6 +70,12 @@ bench: $(CONVERT)
 	  $(BENCH_MODELS)/qwen3-vl-2b-int8-sym --weights int8
 	test -d $(BENCH_MODELS)/qwen3-vl-2b-int4-sym || $(BIN)/qvlctl model convert $(BENCH_HF) \
 	  $(BENCH_MODELS)/qwen3-vl-2b-int4-sym --weights int4
+	test -d $(BENCH_MODELS)/qwen3-vl-2b-fp32 || $(BIN)/qvlctl model convert $(BENCH_HF) \
+	  $(BENCH_MODELS)/qwen3-vl-2b-fp32 --weights fp32
+	test -d $(BENCH_MODELS)/qwen3-vl-2b-onnx-fp32 || $(BIN)/qvlctl model export-onnx $(BENCH_HF) \
+	  $(BENCH_MODELS)/qwen3-vl-2b-onnx-fp32 --weights fp32
+	test -d $(BENCH_MODELS)/qwen3-vl-2b-onnx-int8 || $(BIN)/qvlctl model export-onnx $(BENCH_HF) \
+	  $(BENCH_MODELS)/qwen3-vl-2b-onnx-int8 --weights int8
 	$(BIN)/python bench/peers.py $(BENCH_MODELS) --rounds 3 --json $(BENCH_MODELS)/peers.json
 
 # llama.cpp from the copy vendored in llama-cpp-python's sdist, and GGUF conversions
@@ -88,7 +94,7 @@ deb:
 # Rebuild the committed tiny model and its transformers reference (deterministic).
 fixtures: $(CONVERT)
 	rm -rf tests/fixtures/models/tiny
-	$(BIN)/python tools/make_test_model.py tiny tests/fixtures/models/tiny --reference
+	$(BIN)/python tools/make_test_model.py tiny tests/fixtures/models/tiny --reference --onnx
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

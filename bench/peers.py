@@ -40,6 +40,7 @@ class Row:
     once: bool = False
 
 
+ORT = (("backend", "onnxruntime"),)
 ROWS = [
     Row("qvld engine, int8 (qvld recipe)", "qvld", "qwen3-vl-2b-int8-sym", "8"),
     Row("qvld daemon + qvlctl client, int8", "daemon", "qwen3-vl-2b-int8-sym", "8"),
@@ -51,6 +52,9 @@ ROWS = [
     Row("qvld engine, int4 (qvld recipe)", "qvld", "qwen3-vl-2b-int4-sym", "4"),
     Row("GenAI VLMPipeline, int4 (qvld IR)", "genai", "qwen3-vl-2b-int4-sym", "4"),
     Row("llama.cpp Q4_K_M", "llamacpp", "gguf", "4", (("quant", "Q4_K_M"),)),
+    Row("qvld engine, OpenVINO fp32", "qvld", "qwen3-vl-2b-fp32", "32"),
+    Row("qvld engine, ONNX Runtime fp32", "qvld", "qwen3-vl-2b-onnx-fp32", "32", ORT),
+    Row("qvld engine, ONNX Runtime int8", "qvld", "qwen3-vl-2b-onnx-int8", "8", ORT),
     Row("transformers fp32", "transformers", "qwen3-vl-2b-hf", "32", once=True),
 ]
 FIELDS = ("load_s", "ready_cold_s", "ready_warm_s", "ttft_s", "ttft_seen_s",
@@ -87,15 +91,21 @@ def available(row: Row, models: Path) -> str | None:
 
 
 def lm_bytes_per_token(model: Path, prompt_tokens: int, tokens: int) -> float | None:
-    """Weights of the language model (the embedding table lives in its own IR and is read
-    one row per token) plus the mean KV cache read per step (u8 KV, this CPU's default)."""
-    bin_file = model / "openvino_language_model.bin"
+    """Weights of the language model (the embedding table lives in its own graph and is
+    read one row per token) plus the mean KV cache read per step: u8 in OpenVINO (this
+    CPU's default), f32 in ONNX Runtime."""
     config_file = model / "config.json"
-    if not bin_file.exists() or not config_file.exists():
+    weights = [model / "openvino_language_model.bin"]
+    kv_bytes = 1
+    if not weights[0].exists():
+        weights = [model / "onnx_language_model.onnx", model / "onnx_language_model.onnx.data"]
+        kv_bytes = 4
+    if not weights[0].exists() or not config_file.exists():
         return None
     text = json.loads(config_file.read_text())["text_config"]
     kv_per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * text["head_dim"]
-    return bin_file.stat().st_size + kv_per_token * (prompt_tokens + tokens / 2)
+    size = sum(w.stat().st_size for w in weights if w.exists())
+    return size + kv_bytes * kv_per_token * (prompt_tokens + tokens / 2)
 
 
 def run_rounds(rows: list[Row], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
@@ -181,6 +191,11 @@ def verdicts(med: dict[str, dict[str, float]]) -> list[str]:
         f"- peak RSS, qvld int8 / GenAI int8 (same IR): "
         f"{ratio(q8, 'GenAI VLMPipeline, int8 (qvld IR)', 'peak_rss')}",
     ]
+    ort8, ort32 = "qvld engine, ONNX Runtime int8", "qvld engine, ONNX Runtime fp32"
+    ov32 = "qvld engine, OpenVINO fp32"
+    for what, key in (("TTFT", "ttft_s"), ("time per token", "tpot_s"), ("peak RSS", "peak_rss")):
+        lines.append(f"- {what}, ONNX Runtime / OpenVINO: int8 {ratio(ort8, q8, key)}; "
+                     f"fp32 {ratio(ort32, ov32, key)}")
     daemon = med.get("qvld daemon + qvlctl client, int8", {})
     if "ready_cold_s" in daemon:
         lines.append(f"- daemon READY: cold model cache {daemon['ready_cold_s']:.2f} s, warm "

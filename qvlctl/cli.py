@@ -210,11 +210,15 @@ def cmd_model(args: argparse.Namespace) -> int:
                               group_size=args.group_size, ratio=args.ratio,
                               all_layers=not args.lm_head_int8)
         return model.convert(args.src, args.dst, recipe)
+    if args.model_command == "export-onnx":
+        from qvlctl import onnx_export
+
+        return onnx_export.export_onnx(args.src, args.dst, args.weights)
     if args.model_command == "info":
         document = model.info(args.dir)
         print(json.dumps(document, indent=2) if args.json else model.render_info(document))
         return EXIT_OK if document.get("loadable") else EXIT_REFUSED
-    report = model.verify(args.dir, args.reference)
+    report = model.verify(args.dir, args.reference, args.backend)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -282,12 +286,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="int4: share of the layers in 4 bits, the rest int8 (default 1)")
     conv.add_argument("--lm-head-int8", dest="lm_head_int8", action="store_true",
                       help="int4: keep lm_head and the embeddings in int8 (slower)")
+    onnx = msub.add_parser("export-onnx", help="checkpoint -> ONNX graphs for "
+                                               "model.backend: onnxruntime (convert extra)")
+    onnx.add_argument("src")
+    onnx.add_argument("dst", type=Path)
+    onnx.add_argument("--weights", choices=["fp32", "int8"], default="int8",
+                      help="int8 (default): onnxruntime's dynamic quantisation of every "
+                           "MatMul weight, per output channel")
     minfo = msub.add_parser("info", help="what a model directory holds")
     minfo.add_argument("dir", type=Path)
     minfo.add_argument("--json", action="store_true")
     mver = msub.add_parser("verify", help="run reference cases, report token agreement")
     mver.add_argument("dir", type=Path)
     mver.add_argument("--reference", type=Path)
+    mver.add_argument("--backend", choices=["openvino", "onnxruntime"], default="openvino",
+                      help="the runtime to verify (onnxruntime: the onnx_*.onnx graphs)")
     mver.add_argument("--json", action="store_true")
     model.set_defaults(func=None, offline=cmd_model)
 

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,7 @@ def export(src: Path, dst: Path, recipe: Recipe) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def check_serves(path: Path) -> str:
+def check_serves(path: Path, backend: str = "openvino") -> str:
     """Load the result with the engine and answer one question about an image."""
     import io
 
@@ -99,7 +100,8 @@ def check_serves(path: Path) -> str:
     from qvld.config import Config, EngineConfig, ModelConfig
     from qvld.engine import Engine, GenerateRequest
 
-    engine = Engine(Config(model=ModelConfig(path=path), engine=EngineConfig(infer_requests=1)))
+    engine = Engine(Config(model=ModelConfig(path=path, backend=backend),
+                           engine=EngineConfig(infer_requests=1)))
     pixels = (np.indices((64, 96)).sum(0) % 255).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(pixels).convert("RGB").save(buf, "PNG")
@@ -110,27 +112,35 @@ def check_serves(path: Path) -> str:
     return result.text
 
 
-def convert(src: str, dst: Path, recipe: Recipe) -> int:
+def write_model(src: str, dst: Path, what: str, export: Callable[[Path, Path], None],
+                backend: str = "openvino") -> int:
+    """Export ``src`` into ``dst`` with ``export(source, directory)``, then check it
+    answers on ``backend``. Everything is written beside the destination and renamed
+    into place at the end: an interrupted or failed export leaves no half directory."""
     if dst.exists():
         _say(f"{dst} exists; remove it or choose another destination")
         return 2
     source = resolve_source(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    # Everything is written beside the destination and renamed into place at the end:
-    # an interrupted or failed conversion leaves no half directory behind.
     partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
         t0 = time.perf_counter()
-        _say(f"exporting {source} with {recipe.describe()} weights (this takes a while)")
-        export(source, partial, recipe)
+        _say(f"exporting {source} {what} (this takes a while)")
+        export(source, partial)
         _say(f"exported in {time.perf_counter() - t0:.0f} s; checking it answers")
-        answer = check_serves(partial)
+        answer = check_serves(partial, backend)
         partial.rename(dst)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    _say(f"ok: {dst} serves (sample answer: {answer[:60]!r})")
+    where = "" if backend == "openvino" else f" with model.backend: {backend}"
+    _say(f"ok: {dst} serves{where} (sample answer: {answer[:60]!r})")
     return 0
+
+
+def convert(src: str, dst: Path, recipe: Recipe) -> int:
+    return write_model(src, dst, f"with {recipe.describe()} weights",
+                       lambda source, out: export(source, out, recipe))
 
 
 def weight_formats(xml: Path) -> dict[str, int]:
@@ -158,13 +168,40 @@ def language_layout(path: Path) -> str:
     return str(layout) if layout else "float"
 
 
+def graph_formats(graph: Path) -> dict[str, int]:
+    """Bytes of initialisers per element type in one ONNX graph (without loading them)."""
+    import onnx
+
+    sizes: Counter[str] = Counter()
+    for tensor in onnx.load(str(graph), load_external_data=False).graph.initializer:
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        count = 1
+        for dim in tensor.dims:
+            count *= int(dim)
+        np_type = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        size = int(info["length"]) if "length" in info else count * np_type.itemsize
+        sizes[onnx.TensorProto.DataType.Name(tensor.data_type).lower()] += size
+    return dict(sizes.most_common())
+
+
+def backend_of(path: Path) -> str:
+    """The backend a directory's graphs are for: OpenVINO IRs first, then ONNX graphs."""
+    from qvld.engine.model_dir import ir_path, onnx_path
+
+    if not ir_path(path, "language_model").is_file() and \
+            onnx_path(path, "language_model").is_file():
+        return "onnxruntime"
+    return "openvino"
+
+
 def info(path: Path) -> dict[str, Any]:
-    from qvld.engine.model_dir import load_model_spec
+    from qvld.engine.model_dir import load_model_spec, onnx_path
     from qvld.errors import ModelInvalid
 
     document: dict[str, Any] = {"path": str(path)}
+    backend = backend_of(path)
     try:
-        spec = load_model_spec(path)
+        spec = load_model_spec(path, backend)
     except ModelInvalid as exc:
         document.update(loadable=False, error=str(exc))
         return document
@@ -182,14 +219,25 @@ def info(path: Path) -> dict[str, Any]:
         "image_pixels": {"min": spec.vision.min_pixels, "max": spec.vision.max_pixels},
         "chat_template": bool(spec.chat_template),
         "size_bytes": sum(p.stat().st_size for p in path.iterdir() if p.is_file()),
-        "weights": {sub: weight_formats(path / f"openvino_{sub}.xml") for sub in SUBMODELS},
-        "language_model_layout": language_layout(path),
+        "backend": backend,
     })
+    if backend == "openvino":
+        document["weights"] = {sub: weight_formats(path / f"openvino_{sub}.xml")
+                               for sub in SUBMODELS}
+        document["language_model_layout"] = language_layout(path)
+    else:
+        import onnx
+
+        document["weights"] = {sub: graph_formats(onnx_path(path, sub)) for sub in SUBMODELS}
+        lm = onnx.load(str(onnx_path(path, "language_model")), load_external_data=False)
+        document["language_model_layout"] = {
+            p.key: p.value for p in lm.metadata_props}.get("qvld.weights", "unknown")
     try:
         from qvld.config import Config, EngineConfig, ModelConfig
         from qvld.engine import Engine
 
-        Engine(Config(model=ModelConfig(path=path), engine=EngineConfig(infer_requests=1)))
+        Engine(Config(model=ModelConfig(path=path, backend=backend),
+                      engine=EngineConfig(infer_requests=1)))
         document["loadable"] = True
     except Exception as exc:  # what the engine says is the answer here
         document.update(loadable=False, error=str(exc))
@@ -211,6 +259,7 @@ def render_info(document: dict[str, Any]) -> str:
         f"image pixels:  {document['image_pixels']['min']}..{document['image_pixels']['max']}",
         f"chat template: {'yes' if document['chat_template'] else 'no'}",
         f"size on disk:  {document['size_bytes'] / 2**20:.1f} MiB",
+        f"backend:       {document['backend']}",
         f"LM weights:    {document['language_model_layout']}",
     ]
     for sub, formats in document["weights"].items():
@@ -221,7 +270,7 @@ def render_info(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def verify(path: Path, reference: Path | None) -> dict[str, Any]:
+def verify(path: Path, reference: Path | None, backend: str = "openvino") -> dict[str, Any]:
     """Run the reference cases at f32 and count exactly matching token ids."""
     from qvld.config import Config, EngineConfig, ModelConfig
     from qvld.engine import Engine, GenerateRequest
@@ -229,7 +278,7 @@ def verify(path: Path, reference: Path | None) -> dict[str, Any]:
     reference = reference or path / "reference.json"
     cases = json.loads(reference.read_text())["cases"]
     engine = Engine(Config(model=ModelConfig(path=path, precision="f32",
-                                             kv_cache_precision="f32"),
+                                             kv_cache_precision="f32", backend=backend),
                            engine=EngineConfig(infer_requests=1)))
     images = reference.parent / "images"
     exact = tokens = agree = 0

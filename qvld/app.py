@@ -136,7 +136,7 @@ class App:
         log.info("model ready in %.1f s", ready_s)
         self.metrics.set_model(__version__, openvino_version(), engine.spec.name,
                                engine.models.runtime_properties["INFERENCE_PRECISION_HINT"],
-                               ready_s)
+                               ready_s, config.model.backend)
         return engine
 
     def _preflight_and_tune(self) -> None:

@@ -38,7 +38,9 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     path: Path | None = None
     device: Literal["CPU"] = "CPU"
-    backend: Literal["openvino"] = "openvino"
+    # openvino (openvino_*.xml from `qvlctl model convert`) or onnxruntime
+    # (onnx_*.onnx from `qvlctl model export-onnx`; needs the onnxruntime extra).
+    backend: Literal["openvino", "onnxruntime"] = "openvino"
     # auto: f32 for a language model with int8/int4 weights (OpenVINO quantises its
     # activations dynamically only at f32: the fastest decode), the runtime's default
     # (bf16 where the CPU has it) for the vision models and float weights.

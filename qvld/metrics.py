@@ -93,7 +93,8 @@ class Metrics:
         self.ready = Gauge("qvld_ready", "1 when the daemon serves generations.",
                            registry=registry)
         self.build_info = Gauge("qvld_build_info", "Version, runtime and model.",
-                                ("version", "openvino", "model", "precision"), registry=registry)
+                                ("version", "openvino", "model", "precision", "backend"),
+                                registry=registry)
         self.preflight = Gauge("qvld_preflight_check",
                                "Preflight checks: 1 for the status each check has.",
                                ("check", "status"), registry=registry)
@@ -133,9 +134,9 @@ class Metrics:
             self.session_cache_hits.inc()
 
     def set_model(self, version: str, openvino: str, model: str, precision: str,
-                  load_s: float) -> None:
+                  load_s: float, backend: str = "openvino") -> None:
         self.build_info.clear()
-        self.build_info.labels(version, openvino, model, precision).set(1)
+        self.build_info.labels(version, openvino, model, precision, backend).set(1)
         self.model_load.set(load_s)
 
     def set_preflight(self, checks: list[dict[str, Any]]) -> None:

@@ -218,7 +218,9 @@ def model_bytes(config: Config) -> int:
     path = config.model.path
     if path is None or not path.is_dir():
         return 0
-    return sum(p.stat().st_size for p in path.glob("openvino_*.bin"))
+    # The weight files the backend reads: IR .bin files, or ONNX graphs and their data.
+    pattern = "onnx_*.onnx*" if config.model.backend == "onnxruntime" else "openvino_*.bin"
+    return sum(p.stat().st_size for p in path.glob(pattern))
 
 
 def check_memory(system: System, config: Config) -> Check:
@@ -275,6 +277,15 @@ def check_python(system: System, config: Config) -> Check:
         return Check("python", FAIL, f"Python {version}, openvino missing",
                      "the engine runs on OpenVINO", "pip install openvino==2026.4.1")
     ov = str(openvino.__version__).split("-")[0]
+    if config.model.backend == "onnxruntime":
+        try:
+            import onnxruntime
+        except ImportError:
+            return Check("python", FAIL, f"Python {version}, onnxruntime missing",
+                         "model.backend is onnxruntime",
+                         "pip install 'qvld[onnxruntime]' (onnxruntime==1.32.0)")
+        return Check("python", OK, f"Python {version}, onnxruntime {onnxruntime.__version__}",
+                     "the runtime versions decide the kernels used")
     return Check("python", OK, f"Python {version}, openvino {ov}",
                  "the runtime versions decide the kernels used")
 
@@ -294,25 +305,29 @@ def check_glibc(system: System, config: Config) -> Check:
 
 
 def check_model(system: System, config: Config) -> Check:
-    from qvld.engine.model_dir import SUBMODELS, ir_path, load_model_spec
+    from qvld.engine.model_dir import GRAPHS, SUBMODELS, load_model_spec
     from qvld.errors import ModelInvalid
 
     path = config.model.path
     if path is None:
         return Check("model", FAIL, "model.path is not set", "there is nothing to serve",
                      "set model.path (or qvld --model DIR)")
+    backend = config.model.backend
+    graph, command = GRAPHS[backend]
     try:
-        spec = load_model_spec(path)
+        spec = load_model_spec(path, backend)
     except ModelInvalid as exc:
-        return Check("model", FAIL, str(exc), "the daemon cannot load this directory",
-                     "convert the model again: qvlctl model convert (or optimum-cli export "
-                     "openvino --task image-text-to-text)")
+        fix = f"convert the model again: {command}"
+        if backend == "openvino":
+            fix += " (or optimum-cli export openvino --task image-text-to-text)"
+        return Check("model", FAIL, str(exc), "the daemon cannot load this directory", fix)
     for sub in SUBMODELS:
-        xml = ir_path(path, sub)
-        bin_path = xml.with_suffix(".bin")
-        if not os.access(xml, os.R_OK) or not bin_path.is_file() or \
-                bin_path.stat().st_size == 0:
-            return Check("model", FAIL, f"{bin_path.name} is missing, empty or unreadable",
+        main = graph(path, sub)
+        # An IR's weights are in its .bin; an ONNX graph holds them (or a .data beside it).
+        weights = main.with_suffix(".bin") if backend == "openvino" else main
+        if not os.access(main, os.R_OK) or not weights.is_file() or \
+                weights.stat().st_size == 0:
+            return Check("model", FAIL, f"{weights.name} is missing, empty or unreadable",
                          "the daemon cannot load this directory",
                          "convert the model again, or fix the file permissions")
     return Check("model", OK, f"{spec.name}: {_gib(model_bytes(config))} of weights at {path}",

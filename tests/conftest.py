@@ -19,10 +19,11 @@ FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "models" / "tiny"
 
 
-def parity_config(path: Path, **engine: Any) -> Config:
+def parity_config(path: Path, backend: str = "openvino", **engine: Any) -> Config:
     """f32 compute and f32 KV cache: the setting whose ids must equal transformers'."""
     return Config(
-        model=ModelConfig(path=path, precision="f32", kv_cache_precision="f32"),
+        model=ModelConfig(path=path, precision="f32", kv_cache_precision="f32",
+                          backend=backend),  # type: ignore[arg-type]
         engine=EngineConfig(**{"infer_requests": 2, **engine}),
     )
 

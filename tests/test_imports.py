@@ -15,8 +15,27 @@ def modules_after(statement: str) -> set[str]:
 
 def test_engine_runs_without_torch_or_transformers() -> None:
     loaded = modules_after("import qvld.engine")
-    assert "openvino" in loaded
     assert not {"torch", "transformers", "optimum"} & loaded
+    # A runtime loads only when model.backend selects it.
+    assert not {"openvino", "onnxruntime"} & loaded
+
+
+def test_each_backend_loads_only_its_runtime() -> None:
+    from tests.conftest import TINY
+
+    for backend, runtime, other in (("openvino", "openvino", "onnxruntime"),
+                                    ("onnxruntime", "onnxruntime", "openvino")):
+        loaded = modules_after(
+            "from pathlib import Path; from qvld.config import Config, ModelConfig; "
+            "from qvld.engine import Engine; "
+            f"Engine(Config(model=ModelConfig(path=Path({str(TINY)!r}), backend={backend!r})))")
+        assert runtime in loaded and other not in loaded, backend
+        assert not {"torch", "transformers"} & loaded
+
+
+def test_onnx_exporter_imports_torch_only_when_it_runs() -> None:
+    loaded = modules_after("import qvlctl.onnx_export")
+    assert not {"torch", "transformers", "onnx", "onnxruntime"} & loaded
 
 
 def test_qvlctl_never_imports_the_engine() -> None:

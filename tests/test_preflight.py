@@ -217,3 +217,28 @@ def test_daemon_reports_applied_tuning(tuned_daemon) -> None:  # type: ignore[no
     assert "tuning pin_cpus: applied" in tuned_daemon.log()
     metrics = tuned_daemon.qvlctl("metrics").stdout.decode()
     assert 'qvld_preflight_check{check="cpu_isa",status="ok"} 1.0' in metrics
+
+
+def test_model_and_runtime_checks_follow_the_backend(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    system = System(root=build_tree(tmp_path / "root", 1, 4, 1, SERVER_FLAGS, mem_gib=16))
+    checks = by_id(run_checks(config(**{"model.backend": "onnxruntime"}), system))
+    assert checks["model"].status == "ok" and checks["python"].status == "ok"
+    assert "onnxruntime" in checks["python"].found
+    # The graphs' bytes count as the model's weights (the memory check reads them).
+    from qvld.preflight import model_bytes
+
+    onnx_cfg = config(**{"model.backend": "onnxruntime"})
+    assert model_bytes(onnx_cfg) == sum(p.stat().st_size for p in TINY.glob("onnx_*.onnx"))
+    # An IR-only directory: the model check names the command that writes the graphs.
+    ir_only = tmp_path / "ir-only"
+    shutil.copytree(TINY, ir_only, ignore=shutil.ignore_patterns("onnx_*"))
+    cfg = load_config(None, [f"model.path={ir_only}", "model.backend=onnxruntime"])
+    check = by_id(run_checks(cfg, system))["model"]
+    assert check.status == "fail" and "qvlctl model export-onnx" in check.remedy
+    # Without onnxruntime installed the runtime check fails with the install command.
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    check = by_id(run_checks(onnx_cfg, system))["python"]
+    assert check.status == "fail" and "qvld[onnxruntime]" in check.remedy

@@ -6,7 +6,8 @@
 
 Each preset is a real ``transformers.Qwen3VLConfig``; the model is initialised from a
 fixed seed, saved in the Hugging Face layout under ``OUT_DIR/hf`` and exported with the
-real optimum-intel exporter (``optimum-cli export openvino``) to ``OUT_DIR``. With
+real optimum-intel exporter (``optimum-cli export openvino``) to ``OUT_DIR``; with
+``--onnx`` also as fp32 ONNX graphs (``qvlctl model export-onnx``'s exporter). With
 ``--reference`` the greedy token ids transformers (fp32) generates for the reference
 cases are written to ``OUT_DIR/reference.json`` (and, for image cases, the processor's
 ``pixel_values`` and grids to ``OUT_DIR/reference_pixels.npz``). With ``--hf-only`` the
@@ -330,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="fp32, fp16, int8 or int4 (optimum-cli --weight-format)")
     parser.add_argument("--reference", action="store_true",
                         help="also write reference.json from transformers fp32")
+    parser.add_argument("--onnx", action="store_true",
+                        help="also export the fp32 ONNX graphs (model.backend: onnxruntime)")
     parser.add_argument("--keep-hf", action="store_true", help="keep OUT/hf after export")
     parser.add_argument("--hf-only", action="store_true",
                         help="write the transformers checkpoint to OUT and stop")
@@ -342,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = out / "hf"
     save_hf(args.preset, hf_dir)
     export_openvino(hf_dir, out, args.weight_format)
+    if args.onnx:
+        from qvlctl.onnx_export import export_fp32
+
+        export_fp32(hf_dir, out)
     if args.reference:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from reference_cases import write_reference

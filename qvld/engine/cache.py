@@ -1,6 +1,6 @@
 """What the engine keeps between requests: image embeddings and sessions.
 
-The KV cache itself lives in the infer requests (see ``openvino.SlotPool``); a session
+The KV cache itself lives in the infer requests (see ``backend.SlotPool``); a session
 only keeps the exact token history (the ids, images and their digests) that lets a
 follow-up find its KV state again, or rebuild it when it was evicted.
 """

@@ -10,17 +10,11 @@ from typing import Any
 import numpy as np
 
 from qvld.config import Config
+from qvld.engine.backend import Slot, SlotPool, common_prefix, load_models, release_file_pages
 from qvld.engine.cache import ImageCache, Session, SessionStore
 from qvld.engine.generate import Prompt, mrope_positions, never, run_generation
 from qvld.engine.image import PixelBudget, PreparedImage, image_digest, prepare
 from qvld.engine.model_dir import ModelSpec, load_model_spec
-from qvld.engine.openvino import (
-    CompiledModels,
-    Slot,
-    SlotPool,
-    common_prefix,
-    release_file_pages,
-)
 from qvld.engine.prompt import ChatTemplate, TextTokenizer, expand_image_pads
 from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
 from qvld.engine.types import GenerateRequest, GenerateResult, Timings, TokenCallback, Usage
@@ -69,10 +63,10 @@ class Engine:
             raise ModelInvalid("model.path is not set")
         self.config = config
         t0 = time.perf_counter()
-        self.spec: ModelSpec = load_model_spec(config.model.path)
+        self.spec: ModelSpec = load_model_spec(config.model.path, config.model.backend)
         self.tokenizer = TextTokenizer(config.model.path / "tokenizer.json")
         self.template = ChatTemplate(self.spec.chat_template, self.spec.special_tokens)
-        self.models = CompiledModels(self.spec, config.model, config.engine)
+        self.models = load_models(self.spec, config.model, config.engine)
         budget = (config.engine.kv_cache_mb << 20) // self.models.kv_bytes_per_token
         self.pool = SlotPool(self.models, config.engine.infer_requests, budget_tokens=budget)
         self.images = ImageCache(config.engine.image_cache_mb << 20)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qvld.engine.openvino import Slot
+from qvld.engine.backend import Slot
 from qvld.engine.prompt import IncrementalText, TextTokenizer
 from qvld.engine.sampling import Sampler, StopStrings
 from qvld.engine.types import FinishReason, TokenCallback

@@ -66,9 +66,23 @@ class ModelSpec:
     def ir(self, submodel: str) -> Path:
         return ir_path(self.path, submodel)
 
+    def onnx(self, submodel: str) -> Path:
+        return onnx_path(self.path, submodel)
+
 
 def ir_path(path: Path, submodel: str) -> Path:
     return path / f"openvino_{submodel}.xml"
+
+
+def onnx_path(path: Path, submodel: str) -> Path:
+    return path / f"onnx_{submodel}.onnx"
+
+
+# The graph files each backend reads, and the command that writes them.
+GRAPHS = {
+    "openvino": (ir_path, "qvlctl model convert"),
+    "onnxruntime": (onnx_path, "qvlctl model export-onnx"),
+}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -114,12 +128,15 @@ def _rgb(values: Any) -> tuple[float, float, float]:
     return (r, g, b)
 
 
-def load_model_spec(path: Path) -> ModelSpec:
+def load_model_spec(path: Path, backend: str = "openvino") -> ModelSpec:
+    """The model in ``path``, which must hold the graphs ``backend`` runs."""
     if not path.is_dir():
         raise ModelInvalid(f"model directory {path} does not exist")
-    missing = [p.name for p in (ir_path(path, s) for s in SUBMODELS) if not p.is_file()]
+    graph, command = GRAPHS[backend]
+    missing = [p.name for p in (graph(path, s) for s in SUBMODELS) if not p.is_file()]
     if missing:
-        raise ModelInvalid(f"model directory {path} lacks {', '.join(missing)}")
+        raise ModelInvalid(f"model directory {path} lacks {', '.join(missing)} (the "
+                           f"{backend} backend's graphs: `{command}` writes them)")
     config = _read_json(path / "config.json")
     if config.get("model_type") != "qwen3_vl":
         raise ModelInvalid(f"{path}/config.json: model_type {config.get('model_type')!r}, "

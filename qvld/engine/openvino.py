@@ -1,21 +1,18 @@
-"""The only module that imports openvino: read, adapt, compile, and run the submodels.
+"""The OpenVINO backend, the only module that imports openvino: read, adapt, compile,
+and run the submodels.
 
 Every submodel is compiled once. A ``Slot`` bundles one infer request per submodel so
-that one generation owns everything it runs on; the ``SlotPool`` holds
-``engine.infer_requests`` of them, created up front (no allocation per request).
+that one generation owns everything it runs on; its KV cache is the language model
+request's internal state. The ``backend.SlotPool`` holds ``engine.infer_requests`` of them.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from qvld.config import EngineConfig, ModelConfig
+from qvld.engine.backend import SlotCache
 from qvld.engine.model_dir import ModelSpec
 from qvld.errors import ModelInvalid
 
@@ -133,29 +131,6 @@ def weight_layout(model: ov.Model) -> WeightLayout | None:
         group = shape[-1] if len(shape) == 3 else -1
         counts[WeightLayout(bits, symmetric, group)] += int(np.prod(shape)) * bits // 8
     return counts.most_common(1)[0][0] if counts else None
-
-
-_MADV_DONTNEED = 4
-
-
-def release_file_pages(files: set[str]) -> int:
-    """Drop this process's resident pages of its read-only mappings of ``files``.
-
-    OpenVINO maps the IR's .bin and, on the first inference, repacks the weights into
-    memory of its own; the mapped pages it read stay resident (and counted in RSS and the
-    service's cgroup) beside the copy. They are clean: if anything reads them again the
-    kernel faults them back in from the file. Returns the bytes of mappings advised.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    released = 0
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or fields[5] not in files or "w" in fields[1]:
-            continue  # a writable private mapping may hold changes: never dropped
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0:
-            released += hi - lo
-    return released
 
 
 def usable_cache_dir(path: Path) -> bool:
@@ -281,6 +256,9 @@ class CompiledModels:
         }
         self.runtime_properties["WEIGHTS"] = str(self.weight_layout or "float")
 
+    def new_slot(self) -> Slot:
+        return Slot(self)
+
 
 def _sequence_axis(shape: Any, length: int) -> int:
     """The KV state's sequence axis: [batch, kv_heads, seq, head_dim] in these exports."""
@@ -290,14 +268,6 @@ def _sequence_axis(shape: Any, length: int) -> int:
     if not matches:
         raise RuntimeError(f"no axis of length {length} in a KV state of shape {shape}")
     return matches[-1]
-
-
-def common_prefix(a: list[Any], b: list[Any]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _last_line(exc: BaseException) -> str:
@@ -311,27 +281,23 @@ def _text(value: Any) -> str:
     return str(value.to_string()) if hasattr(value, "to_string") else str(value)
 
 
-class Slot:
+class Slot(SlotCache):
     """One generation's infer requests; the LM request holds a KV cache (stateful)."""
 
     def __init__(self, models: CompiledModels) -> None:
+        super().__init__()
         self._models = models
         self._lm = models.language.create_infer_request()
         self._embed = models.embeddings.create_infer_request()
         self._vision = models.vision.create_infer_request()
         self._vision_pos = models.vision_pos.create_infer_request()
         self._merger = models.vision_merger.create_infer_request()
-        self.past_len = 0
         # Inputs every step passes, allocated once: a view of ``_ones`` is the mask.
         self._ones = np.ones((1, 4096), dtype=np.int64)
         self._beam_idx = np.zeros(1, dtype=np.int32)
         self._no_deepstack = np.zeros((models.deepstack_layers, 1, models.hidden_size),
                                       np.float32)
         self._logits = np.zeros(0, dtype=np.float32)
-        # (token id, image hash or None) per position held in the KV cache.
-        self.history: list[tuple[int, bytes | None]] = []
-        # When the infer call now running started (the watchdog looks at it).
-        self.busy_since: float | None = None
 
     def _infer(self, request: Any, inputs: dict[str, Any]) -> Any:
         self.busy_since = time.monotonic()
@@ -340,25 +306,17 @@ class Slot:
         finally:
             self.busy_since = None
 
-    def reset(self) -> None:
+    def _drop_cache(self) -> None:
         self._lm.reset_state()
-        self.past_len = 0
-        self.history = []
 
-    def trim(self, keep: int) -> None:
-        """Keep the first ``keep`` positions of the KV state (as GenAI's trim_kv_cache)."""
-        if keep <= 0:
-            self.reset()
-            return
-        if keep < self.past_len:
-            for state in self._lm.query_state():
-                data = state.state.data
-                axis = _sequence_axis(data.shape, self.past_len)
-                index = [slice(None)] * data.ndim
-                index[axis] = slice(0, keep)
-                state.state = ov.Tensor(np.ascontiguousarray(data[tuple(index)]))
-            self.past_len = keep
-        del self.history[keep:]
+    def _truncate_cache(self, keep: int) -> None:
+        """The first ``keep`` positions of every KV state (as GenAI's trim_kv_cache)."""
+        for state in self._lm.query_state():
+            data = state.state.data
+            axis = _sequence_axis(data.shape, self.past_len)
+            index = [slice(None)] * data.ndim
+            index[axis] = slice(0, keep)
+            state.state = ov.Tensor(np.ascontiguousarray(data[tuple(index)]))
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         out = self._infer(self._embed, {"input": ids.reshape(1, -1).astype(np.int64)})
@@ -406,52 +364,3 @@ class Slot:
         out = self._infer(self._merger, {"hidden_states": hidden, "attention_mask": mask,
                                          "rotary_pos_emb": rotary})
         return np.array(out[0]), np.array(out[1])
-
-
-class SlotPool:
-    """Infer requests with their KV states, shared as a prefix cache.
-
-    ``acquire(keys)`` hands out the free slot whose history shares the longest prefix
-    with ``keys`` (the least recently used one when none does, so that recent caches
-    survive); retained KV states beyond ``budget_tokens`` are evicted LRU.
-    """
-
-    def __init__(self, models: CompiledModels, size: int, budget_tokens: int | None = None
-                 ) -> None:
-        self.slots = [Slot(models) for _ in range(size)]
-        self.budget_tokens = budget_tokens
-        self._free: list[Slot] = list(self.slots)  # least recently used first
-        self._cond = threading.Condition()
-
-    @contextmanager
-    def acquire(self, keys: list[tuple[int, bytes | None]] | None = None) -> Iterator[Slot]:
-        with self._cond:
-            while not self._free:
-                self._cond.wait()
-            best = max(range(len(self._free)),
-                       key=lambda i: (common_prefix(self._free[i].history, keys or []), -i))
-            slot = self._free.pop(best)
-        try:
-            yield slot
-        except BaseException:
-            slot.reset()  # a failed run leaves the KV state unknown
-            raise
-        finally:
-            with self._cond:
-                self._free.append(slot)
-                self._evict()
-                self._cond.notify()
-
-    def _evict(self) -> None:
-        """Drop the least recently used idle KV states beyond the budget (lock held)."""
-        if self.budget_tokens is None:
-            return
-        held = sum(slot.past_len for slot in self.slots)
-        for slot in self._free:  # least recently used first
-            if held <= self.budget_tokens:
-                break
-            held -= slot.past_len
-            slot.reset()
-
-    def cached_tokens(self) -> int:
-        return sum(slot.past_len for slot in self.slots)

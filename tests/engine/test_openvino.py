@@ -11,13 +11,13 @@ import pytest
 
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
+from qvld.engine.backend import release_file_pages
 from qvld.engine.openvino import (
     WeightLayout,
     auto_dynamic_quantization,
     auto_precision,
     compile_properties,
     patch_embedding_as_matmul,
-    release_file_pages,
     weight_layout,
 )
 

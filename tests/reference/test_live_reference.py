@@ -37,19 +37,20 @@ def rebuilt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out = tmp_path_factory.mktemp(preset) / "model"
         subprocess.run(
             [sys.executable, str(ROOT / "tools" / "make_test_model.py"), preset, str(out),
-             "--reference"],
+             "--reference", "--onnx"],
             check=True, capture_output=True,
         )
         models[preset] = out
     return models
 
 
+@pytest.mark.parametrize("backend", ["openvino", "onnxruntime"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_rebuilt_model_matches_transformers_exactly(rebuilt: dict[str, Path],
-                                                    preset: str) -> None:
+                                                    preset: str, backend: str) -> None:
     path = rebuilt[preset]
     reference = load_reference(path)
-    engine = Engine(parity_config(path, prefill_chunk=64))
+    engine = Engine(parity_config(path, backend=backend, prefill_chunk=64))
     assert len(reference["cases"]) >= 6 + 12
     for case in reference["cases"]:
         # A near-tie would make exact parity a coin toss: the cases must be decisive.
@@ -136,6 +137,7 @@ def test_committed_fixture_is_what_the_tool_builds(rebuilt: dict[str, Path]) -> 
     assert [c["token_ids"] for c in reference["cases"]] == [
         c["token_ids"] for c in committed["cases"]]
     names = ["openvino_language_model.bin", "openvino_vision_embeddings_merger_model.bin",
+             "onnx_language_model.onnx", "onnx_vision_embeddings_merger_model.onnx",
              "tokenizer.json", *(f"images/{f}" for f in committed["images"].values())]
     for name in names:
         assert (rebuilt["tiny"] / name).read_bytes() == (TINY / name).read_bytes(), name

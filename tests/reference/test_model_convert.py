@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from qvld.engine.model_dir import SUBMODELS
 from tests.conftest import Daemon
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
@@ -99,3 +100,31 @@ def test_convert_other_recipes_on_request(checkpoint: Path, tmp_path: Path) -> N
     assert "int4 asym group 16, ratio 1, lm_head int8" in out.stderr
     info = json.loads(qvlctl("model", "info", str(dst), "--json").stdout)
     assert info["loadable"] and info["language_model_layout"] == "int4 asym group 16"
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_export_onnx_and_serve_it(checkpoint: Path, tmp_path: Path, weights: str) -> None:
+    dst = tmp_path / f"tiny-onnx-{weights}"
+    out = qvlctl("model", "export-onnx", str(checkpoint), str(dst), "--weights", weights)
+    assert out.returncode == 0, out.stderr
+    assert "serves with model.backend: onnxruntime" in out.stderr
+    assert not list(tmp_path.glob(".*partial*"))
+    graphs = sorted(p.name for p in dst.glob("onnx_*"))
+    assert graphs == sorted(f"onnx_{sub}.onnx" for sub in SUBMODELS)
+    import onnx
+
+    ops = {node.op_type for node in onnx.load(str(dst / "onnx_language_model.onnx")).graph.node}
+    assert ("MatMulInteger" in ops) == (weights == "int8")
+    daemon = Daemon(tmp_path, model=dst, args=["--set", "model.backend=onnxruntime"]).start()
+    try:
+        with daemon.client() as client:
+            assert client.status()["model"]["runtime"]["WEIGHTS"] == weights
+            result = client.generate({"messages": [{"role": "user", "content": "Hi"}],
+                                      "max_tokens": 4, "temperature": 0})
+        assert len(result["token_ids"]) == 4
+    finally:
+        assert daemon.stop() == 0
+    if weights == "fp32":  # the same model as the committed fixture: exact
+        verify = qvlctl("model", "verify", str(dst), "--backend", "onnxruntime", "--reference",
+                        str(ROOT / "tests/fixtures/models/tiny/reference.json"), "--json")
+        assert json.loads(verify.stdout)["token_agreement"] == 1.0, verify.stdout

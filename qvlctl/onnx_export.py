@@ -1,0 +1,314 @@
+"""`qvlctl model export-onnx`: a Qwen3-VL checkpoint as five ONNX graphs for ONNX Runtime.
+
+The submodels and their tensors (names are the contract with ``qvld.engine.onnxruntime``):
+
+======================  ==========================================  ===========================
+file                    inputs                                      outputs
+======================  ==========================================  ===========================
+onnx_text_embeddings_   input [B,S] int64                           inputs_embeds [B,S,H]
+model.onnx
+onnx_vision_embeddings  hidden_states [N, C*T*P*P]                  patch_embeds [N,Hv]
+_model.onnx
+onnx_vision_embeddings  input [4,N] int64 (bilinear corner rows)    pos_embeds [4,N,Hv]
+_pos_model.onnx
+onnx_vision_embeddings  hidden_states [N,Hv], attention_mask        image_embeds [N/m²,H],
+_merger_model.onnx      [1,N,N], rotary_pos_emb [N,hd/2]            deepstack [k,N/m²,H]
+onnx_language_model     inputs_embeds [B,S,H], attention_mask       logits [B,1,V],
+.onnx                   [B,P+S], position_ids [3,B,S],              present.L.key/value
+                        visual_pos_masks [B,S] bool,                [B,kv,P+S,hd]
+                        deepstack_visual_embeds [k,Nvis,H],
+                        past_key_values.L.key/value [B,kv,P,hd]
+======================  ==========================================  ===========================
+
+The same host-side inputs as the OpenVINO export (the engine's image, position and
+prompt code is shared), except that the language model carries its KV cache as explicit
+inputs and outputs instead of internal state, and computes logits for the last position
+only. The graphs are traced from forward functions written here over the checkpoint's
+own modules (norms, projections, MLPs, rotary tables), with plain ops where transformers
+dispatches on run-time values (attention over ``cu_seqlens``, boolean-mask deepstack
+writes, cache objects), so every axis that varies stays dynamic.
+
+Weights: ``fp32`` as exported, or ``int8``: onnxruntime's dynamic quantisation of every
+MatMul/Gemm weight (per output channel, signed), activations quantised per call.
+
+Needs the ``convert`` extra (torch, transformers, onnx, onnxruntime).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from qvld.engine.model_dir import SUBMODELS, onnx_path
+
+# The ONNX opset: 17 has LayerNormalization, which ONNX Runtime fuses further.
+OPSET = 17
+
+
+def _say(text: str) -> None:
+    print(f"qvlctl model: {text}", file=sys.stderr, flush=True)
+
+
+def _modules() -> Any:
+    """The torch modules, defined on first use: torch is imported only by this command."""
+    import torch
+    from torch import nn
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
+
+    class TextEmbeddings(nn.Module):
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.table = model.model.language_model.embed_tokens
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.table(ids)  # type: ignore[no-any-return]
+
+    class PatchEmbedding(nn.Module):
+        """The Conv3d whose kernel is the whole patch, as the MatMul it is."""
+
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            proj = model.model.visual.patch_embed.proj
+            self.weight = nn.Parameter(proj.weight.detach().reshape(proj.weight.shape[0], -1))
+            self.bias = nn.Parameter(proj.bias.detach())
+
+        def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(rows, self.weight, self.bias)
+
+    class PositionEmbedding(nn.Module):
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.table = model.model.visual.pos_embed
+
+        def forward(self, corners: torch.Tensor) -> torch.Tensor:
+            return self.table(corners)  # type: ignore[no-any-return]
+
+    class VisionMerger(nn.Module):
+        """Vision blocks over one image, the merger, and the deepstack mergers."""
+
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.visual = model.model.visual
+            self.deepstack_at = {layer: i for i, layer in
+                                 enumerate(self.visual.deepstack_visual_indexes)}
+
+        def forward(self, hidden: torch.Tensor, mask: torch.Tensor,
+                    rotary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            emb = torch.cat((rotary, rotary), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            n = hidden.shape[0]
+            deepstack = []
+            for layer, block in enumerate(self.visual.blocks):
+                attn = block.attn
+                qkv = attn.qkv(block.norm1(hidden)).reshape(n, 3, attn.num_heads, -1)
+                q, k, v = qkv.permute(1, 0, 2, 3).unbind(0)  # [N,heads,hd] each
+                q, k = qwen.apply_rotary_pos_emb_vision(q, k, cos, sin)
+                q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads,N,hd]
+                weights = torch.matmul(q, k.transpose(1, 2)) * attn.scaling + mask
+                weights = torch.softmax(weights, dim=-1, dtype=torch.float32)
+                out = torch.matmul(weights, v).transpose(0, 1).reshape(n, -1)
+                hidden = hidden + attn.proj(out)
+                hidden = hidden + block.mlp(block.norm2(hidden))
+                if layer in self.deepstack_at:
+                    deepstack.append(self.visual.deepstack_merger_list[
+                        self.deepstack_at[layer]](hidden))
+            return self.visual.merger(hidden), torch.stack(deepstack)
+
+    class LanguageModel(nn.Module):
+        """The decoder with its KV cache as explicit tensors, logits for the last row."""
+
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.text = model.model.language_model
+            self.lm_head = model.lm_head
+            self.deepstack_layers = len(model.config.vision_config.deepstack_visual_indexes)
+
+        def forward(self, embeds: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor, visual_mask: torch.Tensor,
+                    deepstack: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            batch, seq = embeds.shape[0], embeds.shape[1]
+            past_len = past[0].shape[2]
+            cos, sin = self.text.rotary_emb(embeds, position_ids)
+            # Causal over absolute positions, and only keys the attention mask keeps.
+            queries = torch.arange(seq) + past_len
+            keys = torch.arange(past_len + seq)
+            allowed = (keys[None, :] <= queries[:, None])[None, None] \
+                & attention_mask[:, None, None, :].bool()
+            bias = torch.zeros(allowed.shape, dtype=embeds.dtype).masked_fill(
+                ~allowed, torch.finfo(embeds.dtype).min)
+            # Row -> its image row: an add where the mask is set (deepstack), + 0 elsewhere.
+            image_row = (torch.cumsum(visual_mask.long(), dim=-1) - 1).clamp(min=0)
+            keep = visual_mask[..., None]
+            hidden = embeds
+            present: list[torch.Tensor] = []
+            for index, layer in enumerate(self.text.layers):
+                attn = layer.self_attn
+                x = layer.input_layernorm(hidden)
+                shape = (batch, seq, -1, attn.head_dim)
+                q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
+                k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
+                v = attn.v_proj(x).view(shape).transpose(1, 2)
+                q, k = qwen.apply_rotary_pos_emb(q, k, cos, sin)
+                k = torch.cat((past[2 * index], k), dim=2)
+                v = torch.cat((past[2 * index + 1], v), dim=2)
+                present += [k, v]
+                k = qwen.repeat_kv(k, attn.num_key_value_groups)
+                v = qwen.repeat_kv(v, attn.num_key_value_groups)
+                weights = torch.matmul(q, k.transpose(2, 3)) * attn.scaling + bias
+                weights = torch.softmax(weights, dim=-1, dtype=torch.float32)
+                out = torch.matmul(weights, v).transpose(1, 2).reshape(batch, seq, -1)
+                hidden = hidden + attn.o_proj(out)
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                if index < self.deepstack_layers:
+                    rows = deepstack[index][image_row]  # [B,S,H]
+                    hidden = hidden + torch.where(keep, rows, torch.zeros_like(rows))
+            logits = self.lm_head(self.text.norm(hidden[:, -1:, :]))
+            return (logits, *present)
+
+    return TextEmbeddings, PatchEmbedding, PositionEmbedding, VisionMerger, LanguageModel
+
+
+def export_fp32(src: Path, dst: Path) -> None:
+    """Trace the five submodels of the checkpoint in ``src`` into ``dst`` at fp32."""
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    text_embeddings, patch_embedding, position_embedding, vision_merger, language_model = \
+        _modules()
+    model: Any = Qwen3VLForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
+    model.eval()
+    text, vision = model.config.text_config, model.config.vision_config
+    hidden, vis_hidden = text.hidden_size, vision.hidden_size
+    merge = vision.spatial_merge_size
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    layers, kv_heads = text.num_hidden_layers, text.num_key_value_heads
+    head_dim = text.head_dim or hidden // text.num_attention_heads
+    k = len(vision.deepstack_visual_indexes)
+    n = 4 * merge * merge  # patches of the sample image: a 4x4-merge-block grid
+    vis_head = vis_hidden // vision.num_heads
+
+    def export(module: Any, args: tuple[Any, ...], name: str, inputs: list[str],
+               outputs: list[str], axes: dict[str, dict[int, str]]) -> None:
+        # Traced into a directory of its own (large graphs come out as one file per
+        # tensor), then saved into ``dst`` as one graph file (+ one data file if large).
+        with tempfile.TemporaryDirectory(dir=dst) as scratch, torch.no_grad():
+            traced = Path(scratch) / "model.onnx"
+            torch.onnx.export(module.eval(), args, str(traced), input_names=inputs,
+                              output_names=outputs, dynamic_axes=axes, opset_version=OPSET,
+                              dynamo=False, do_constant_folding=True)
+            save_graph(traced, onnx_path(dst, name), "fp32")
+
+    export(text_embeddings(model), (torch.zeros(1, 3, dtype=torch.long),),
+           "text_embeddings_model", ["input"], ["inputs_embeds"],
+           {"input": {0: "batch", 1: "seq"}, "inputs_embeds": {0: "batch", 1: "seq"}})
+    export(patch_embedding(model), (torch.zeros(n, patch),), "vision_embeddings_model",
+           ["hidden_states"], ["patch_embeds"],
+           {"hidden_states": {0: "patches"}, "patch_embeds": {0: "patches"}})
+    export(position_embedding(model), (torch.zeros(4, n, dtype=torch.long),),
+           "vision_embeddings_pos_model", ["input"], ["pos_embeds"],
+           {"input": {1: "patches"}, "pos_embeds": {1: "patches"}})
+    export(vision_merger(model), (torch.zeros(n, vis_hidden), torch.zeros(1, n, n),
+                                  torch.zeros(n, vis_head // 2)),
+           "vision_embeddings_merger_model",
+           ["hidden_states", "attention_mask", "rotary_pos_emb"], ["image_embeds", "deepstack"],
+           {"hidden_states": {0: "patches"}, "attention_mask": {1: "patches", 2: "patches"},
+            "rotary_pos_emb": {0: "patches"}, "image_embeds": {0: "tokens"},
+            "deepstack": {1: "tokens"}})
+    seq, past_len = 3, 2
+    past_names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    present_names = [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    axes: dict[str, dict[int, str]] = {
+        "inputs_embeds": {0: "batch", 1: "seq"},
+        "attention_mask": {0: "batch", 1: "total"},
+        "position_ids": {1: "batch", 2: "seq"},
+        "visual_pos_masks": {0: "batch", 1: "seq"},
+        "deepstack_visual_embeds": {1: "visual_rows"},
+        "logits": {0: "batch"},
+        **{name: {0: "batch", 2: "past"} for name in past_names},
+        **{name: {0: "batch", 2: "total"} for name in present_names},
+    }
+    visual = torch.tensor([[False, True, False]])
+    export(language_model(model),
+           (torch.zeros(1, seq, hidden), torch.ones(1, past_len + seq, dtype=torch.long),
+            torch.arange(seq).expand(3, 1, seq), visual, torch.zeros(k, 1, hidden),
+            *[torch.zeros(1, kv_heads, past_len, head_dim) for _ in past_names]),
+           "language_model",
+           ["inputs_embeds", "attention_mask", "position_ids", "visual_pos_masks",
+            "deepstack_visual_embeds", *past_names], ["logits", *present_names], axes)
+
+
+def save_graph(src: Path, dst: Path, weights: str) -> None:
+    """Save the graph at ``src`` as ``dst``, its external tensors (if any) gathered into
+    one ``dst.data`` file, page-aligned, one tensor in memory at a time: a full-size
+    graph is larger than protobuf's 2 GiB and than what fits beside the model in RAM.
+    The metadata entry ``qvld.weights`` says what the weights are (the engine reports it).
+    """
+    import onnx
+    from onnx.external_data_helper import set_external_data
+
+    proto = onnx.load(str(src), load_external_data=False)
+    del proto.metadata_props[:]
+    onnx.helper.set_model_props(proto, {"qvld.weights": weights})
+    external = [t for t in proto.graph.initializer
+                if t.data_location == onnx.TensorProto.EXTERNAL]
+    if external:
+        data = dst.with_name(dst.name + ".data")
+        with data.open("wb") as out:
+            for tensor in external:
+                info = {entry.key: entry.value for entry in tensor.external_data}
+                with (src.parent / info["location"]).open("rb") as source:
+                    source.seek(int(info.get("offset", 0)))
+                    blob = source.read(int(info["length"]) if "length" in info else -1)
+                out.write(b"\0" * (-out.tell() % 4096))  # aligned: the runtime maps it
+                offset = out.tell()
+                out.write(blob)
+                del tensor.external_data[:]
+                set_external_data(tensor, location=data.name, offset=offset, length=len(blob))
+    onnx.save_model(proto, str(dst))
+
+
+def quantize_int8(directory: Path) -> None:
+    """Replace each graph by onnxruntime's dynamic int8 quantisation of its MatMuls.
+
+    Signed weights per output channel (the layout that decodes fastest in OpenVINO too);
+    the embedding tables (Gather) stay fp32: they are read one row at a time.
+    """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    for submodel in SUBMODELS:
+        path = onnx_path(directory, submodel)
+        out = path.with_name(path.stem + ".int8.onnx")
+        large = (path.with_name(path.name + ".data")).exists()
+        quantize_dynamic(path, out, weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul", "Gemm"],
+                         use_external_data_format=large)
+        for stale in (path, path.with_name(path.name + ".data")):
+            stale.unlink(missing_ok=True)
+        save_graph(out, path, "int8")
+        for done in (out, out.with_name(out.name + ".data")):
+            done.unlink(missing_ok=True)
+
+
+def export_directory(source: Path, out: Path, weights: str) -> None:
+    """The graphs (quantised for int8) and the files the engine reads beside them."""
+    from qvlctl.model import SIDE_FILES
+
+    export_fp32(source, out)
+    if weights == "int8":
+        _say("quantising the MatMul weights to int8")
+        quantize_int8(out)
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+
+
+def export_onnx(src: str, dst: Path, weights: str) -> int:
+    """``qvlctl model export-onnx``: export, quantise, check it answers, move into place."""
+    from qvlctl.model import write_model
+
+    return write_model(src, dst, f"to ONNX with {weights} weights",
+                       lambda source, out: export_directory(source, out, weights),
+                       backend="onnxruntime")

@@ -1,0 +1,217 @@
+"""The ONNX Runtime backend, the only module that imports onnxruntime.
+
+One InferenceSession per submodel (``onnx_*.onnx`` from ``qvlctl model export-onnx``),
+shared by every slot: a session's ``run`` is thread-safe. A ``Slot`` owns its KV cache as
+the language model's last ``present.*`` outputs, kept as OrtValues and bound straight
+back as the next step's ``past_key_values.*`` inputs (I/O binding): the cache never
+passes through numpy between steps.
+
+Sessions run with every graph optimisation (ORT_ENABLE_ALL), sequential execution,
+``engine.threads`` intra-op threads (the pinned cores, from tuning) and one inter-op
+thread. The CPU arena grows by what is requested rather than doubling, and the memory
+pattern planner is off: shapes change every call (prompt length, KV length), so a
+planned pattern never repeats.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from qvld.config import EngineConfig, ModelConfig
+from qvld.engine.backend import SlotCache
+from qvld.engine.model_dir import SUBMODELS, ModelSpec
+from qvld.errors import ModelInvalid
+
+
+def session_options(engine_cfg: EngineConfig) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    threads = engine_cfg.threads
+    options.intra_op_num_threads = (len(os.sched_getaffinity(0)) if threads == "auto"
+                                    else int(threads))
+    options.inter_op_num_threads = 1
+    options.enable_cpu_mem_arena = True
+    options.enable_mem_pattern = False
+    options.add_session_config_entry("session.use_env_allocators", "1")
+    options.log_severity_level = 3  # errors only: warnings about unused initialisers
+    return options
+
+
+_arena_lock = threading.Lock()
+_arena_registered = False
+
+
+def register_shared_arena() -> None:
+    """One CPU arena for every session in the process (once), grown by what is asked
+    (kSameAsRequested) instead of doubling: sessions opt in with use_env_allocators."""
+    global _arena_registered
+    with _arena_lock:
+        if _arena_registered:
+            return
+        memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                   ort.OrtMemType.DEFAULT)
+        # max_mem 0 (no limit), extend strategy 1 (same as requested), default chunks.
+        ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, 1, -1, -1))
+        _arena_registered = True
+
+
+class SessionModels:
+    """The five InferenceSessions of one model directory."""
+
+    def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
+        if model_cfg.precision == "bf16" or model_cfg.kv_cache_precision not in ("auto", "f32"):
+            raise ModelInvalid("the onnxruntime backend computes at f32 with an f32 KV cache: "
+                               "leave model.precision and model.kv_cache_precision at auto "
+                               "(or f32)")
+        register_shared_arena()
+        options = session_options(engine_cfg)
+        providers = ["CPUExecutionProvider"]
+
+        def load(submodel: str) -> ort.InferenceSession:
+            path = spec.onnx(submodel)
+            try:
+                session = ort.InferenceSession(str(path), options, providers=providers)
+            except Exception as exc:  # onnxruntime raises its own exception types
+                raise ModelInvalid(f"{path.name} cannot be loaded: {_first_line(exc)}") from exc
+            return session
+
+        self.sessions = {submodel: load(submodel) for submodel in SUBMODELS}
+        lm = self.sessions["language_model"]
+        self.past_names = [i.name for i in lm.get_inputs() if i.name.startswith("past_key_values.")]
+        self.present_names = [o.name for o in lm.get_outputs() if o.name.startswith("present.")]
+        if len(self.past_names) != 2 * spec.num_layers or \
+                len(self.present_names) != len(self.past_names):
+            raise ModelInvalid(f"onnx_language_model.onnx has {len(self.past_names)} past "
+                               f"key/value inputs; {2 * spec.num_layers} expected")
+        self.hidden_size = spec.hidden_size
+        self.kv_shape = (1, spec.num_kv_heads, 0, spec.head_dim)
+        self.deepstack_layers = spec.vision.deepstack_layers
+        # keys and values, every layer, every KV head, f32.
+        self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+        # ONNX Runtime reads the graphs into memory of its own: nothing stays mapped.
+        self.weight_files: set[str] = set()
+        self.runtime_properties = {
+            "BACKEND": f"onnxruntime {ort.__version__}",
+            "INFERENCE_PRECISION_HINT": "f32",
+            "KV_CACHE_PRECISION": "f32",
+            "INFERENCE_NUM_THREADS": str(options.intra_op_num_threads),
+            # Written by the exporter into the graph's metadata.
+            "WEIGHTS": lm.get_modelmeta().custom_metadata_map.get("qvld.weights", "unknown"),
+        }
+
+    def new_slot(self) -> Slot:
+        return Slot(self)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+class Slot(SlotCache):
+    """One generation's KV cache (OrtValues bound between steps) and step buffers."""
+
+    def __init__(self, models: SessionModels) -> None:
+        super().__init__()
+        self._models = models
+        self._lm = models.sessions["language_model"]
+        self._embed = models.sessions["text_embeddings_model"]
+        self._vision = models.sessions["vision_embeddings_model"]
+        self._vision_pos = models.sessions["vision_embeddings_pos_model"]
+        self._merger = models.sessions["vision_embeddings_merger_model"]
+        self._binding = self._lm.io_binding()
+        self._empty = np.zeros(models.kv_shape, dtype=np.float32)
+        # The cache: the last step's present.* outputs, or arrays after a trim (kept
+        # alive here: an OrtValue made from numpy does not own its memory).
+        self._kv: list[ort.OrtValue] = []
+        self._kv_arrays: list[np.ndarray] = []
+        self._ones = np.ones((1, 4096), dtype=np.int64)
+        self._no_deepstack = np.zeros((models.deepstack_layers, 1, models.hidden_size),
+                                      np.float32)
+        self._logits = np.zeros(0, dtype=np.float32)
+        self.reset()
+
+    def _run(self, session: ort.InferenceSession, inputs: dict[str, np.ndarray]) -> list[Any]:
+        self.busy_since = time.monotonic()
+        try:
+            return list(session.run(None, inputs))
+        finally:
+            self.busy_since = None
+
+    def _hold(self, arrays: list[np.ndarray]) -> None:
+        self._kv_arrays = arrays
+        self._kv = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+
+    def _drop_cache(self) -> None:
+        self._hold([self._empty] * len(self._models.past_names))
+
+    def _truncate_cache(self, keep: int) -> None:
+        # [batch, kv_heads, seq, head_dim]: the first ``keep`` rows of every layer.
+        self._hold([np.ascontiguousarray(value.numpy()[:, :, :keep]) for value in self._kv])
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        out = self._run(self._embed, {"input": ids.reshape(1, -1).astype(np.int64)})
+        return np.asarray(out[0][0])
+
+    def step(self, embeds: np.ndarray, positions: np.ndarray, visual_mask: np.ndarray,
+             deepstack: np.ndarray) -> np.ndarray:
+        seq = embeds.shape[0]
+        total = self.past_len + seq
+        if total > self._ones.shape[1]:
+            self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
+        binding = self._binding
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        binding.bind_cpu_input("inputs_embeds",
+                               np.ascontiguousarray(embeds, dtype=np.float32).reshape(1, seq, -1))
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(self._ones[:, :total]))
+        binding.bind_cpu_input("position_ids",
+                               np.ascontiguousarray(positions, dtype=np.int64).reshape(3, 1, seq))
+        binding.bind_cpu_input("visual_pos_masks",
+                               np.ascontiguousarray(visual_mask, dtype=bool).reshape(1, seq))
+        binding.bind_cpu_input("deepstack_visual_embeds",
+                               np.ascontiguousarray(deepstack, dtype=np.float32))
+        for name, value in zip(self._models.past_names, self._kv, strict=True):
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_output("logits", "cpu")
+        for name in self._models.present_names:
+            binding.bind_output(name, "cpu")
+        self.busy_since = time.monotonic()
+        try:
+            self._lm.run_with_iobinding(binding)
+        finally:
+            self.busy_since = None
+        outputs = binding.get_outputs()
+        # The presents become the cache: the next step binds them as its pasts.
+        self._kv = list(outputs[1:])
+        self._kv_arrays = []
+        self.past_len = total
+        last = outputs[0].numpy()[0, -1]
+        if self._logits.shape != last.shape:
+            self._logits = np.empty(last.shape, dtype=np.float32)
+        np.copyto(self._logits, last)
+        return self._logits
+
+    def no_deepstack(self) -> np.ndarray:
+        return self._no_deepstack
+
+    def vision_patches(self, patches: np.ndarray) -> np.ndarray:
+        rows = np.ascontiguousarray(patches, dtype=np.float32)
+        return np.asarray(self._run(self._vision, {"hidden_states": rows})[0])
+
+    def vision_positions(self, corner_ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(corner_ids, dtype=np.int64)
+        return np.asarray(self._run(self._vision_pos, {"input": ids})[0])
+
+    def vision_merge(self, hidden: np.ndarray, mask: np.ndarray,
+                     rotary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out = self._run(self._merger, {"hidden_states": np.ascontiguousarray(hidden, np.float32),
+                                       "attention_mask": mask, "rotary_pos_emb": rotary})
+        return np.asarray(out[0]), np.asarray(out[1])

@@ -1,0 +1,200 @@
+"""The ONNX Runtime backend (model.backend: onnxruntime) on the committed tiny graphs.
+
+The same reference cases and sessions as the OpenVINO backend, exact at fp32; the KV
+cache bound between steps and trimmed to a common prefix; the int8 graphs from
+onnxruntime's quantiser; a real daemon serving on this backend.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from qvlctl.onnx_export import quantize_int8
+from qvld.config import Config, EngineConfig, ModelConfig
+from qvld.engine import Engine, GenerateRequest
+from qvld.engine.model_dir import SUBMODELS
+from qvld.errors import ModelInvalid, QvlError
+from tests.conftest import TINY, Daemon, load_reference, with_image_bytes
+
+REFERENCE = load_reference(TINY)
+CASES = {c["name"]: c for c in REFERENCE["cases"]}
+SESSIONS = REFERENCE["sessions"]
+
+
+def ort_config(path: Path = TINY, **engine: Any) -> Config:
+    return Config(model=ModelConfig(path=path, backend="onnxruntime"),
+                  engine=EngineConfig(**{"infer_requests": 2, **engine}))
+
+
+def ask(engine: Engine, case: dict[str, Any], path: Path = TINY, **kw: Any) -> Any:
+    return engine.generate(GenerateRequest(
+        messages=with_image_bytes(case["messages"], path), temperature=0.0,
+        max_tokens=case["max_new_tokens"], **kw))
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(ort_config(prefill_chunk=64))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_ids_equal_transformers(engine: Engine, name: str) -> None:
+    assert ask(engine, CASES[name]).token_ids == CASES[name]["token_ids"]
+
+
+@pytest.mark.parametrize("session", SESSIONS, ids=[s["name"] for s in SESSIONS])
+def test_session_turns_equal_transformers(session: dict[str, Any]) -> None:
+    engine = Engine(ort_config())
+    for n, turn in enumerate(session["turns"]):
+        result = ask(engine, turn, session="s")
+        assert result.token_ids == turn["token_ids"], f"turn {n}"
+        if n:  # the history came from the slot's bound KV cache
+            assert result.usage.cached_tokens >= len(session["turns"][n - 1]["input_ids"])
+
+
+@pytest.mark.parametrize("name", ["longer_than_chunk", "two_images_one_message"])
+def test_chunked_prefill_through_the_past_inputs_is_exact(name: str) -> None:
+    # Chunks of 5 rows: every chunk after the first reads the cache as past_key_values.
+    engine = Engine(ort_config(prefill_chunk=5, infer_requests=1))
+    assert ask(engine, CASES[name]).token_ids == CASES[name]["token_ids"]
+
+
+def test_kv_cache_is_trimmed_to_the_common_prefix() -> None:
+    engine = Engine(ort_config(infer_requests=1))
+    first = ask(engine, CASES["system"])
+    second = ask(engine, CASES["image_with_system"])  # shares the system prompt only
+    assert 0 < second.usage.cached_tokens < len(CASES["image_with_system"]["input_ids"])
+    assert second.token_ids == CASES["image_with_system"]["token_ids"]
+    assert first.token_ids == CASES["system"]["token_ids"]
+
+
+def test_kv_cache_stays_in_ort_values_between_steps(engine: Engine) -> None:
+    spec = engine.spec
+    with engine.pool.acquire() as slot:
+        slot.reset()
+        embeds = slot.embed(np.array([5, 6, 7]))
+        positions = np.tile(np.arange(3), (3, 1))
+        first = slot.step(embeds, positions, np.zeros(3, bool), slot.no_deepstack()).copy()
+        cache = slot._kv  # type: ignore[attr-defined]
+        assert len(cache) == 2 * spec.num_layers
+        assert all(isinstance(v, ort.OrtValue) for v in cache)
+        assert cache[0].shape() == [1, spec.num_kv_heads, 3, spec.head_dim]
+        slot.step(slot.embed(np.array([8])), np.full((3, 1), 3), np.zeros(1, bool),
+                  slot.no_deepstack())
+        assert slot._kv[0].shape()[2] == 4 and slot.past_len == 4  # type: ignore[attr-defined]
+        # Trimmed to the first 2 rows, the third row again gives the logits it gave.
+        slot.trim(2)
+        again = slot.step(slot.embed(np.array([7])), np.full((3, 1), 2), np.zeros(1, bool),
+                          slot.no_deepstack())
+        np.testing.assert_allclose(again, first, rtol=1e-5, atol=1e-5)
+        slot.reset()
+
+
+def test_runtime_properties_and_threads() -> None:
+    engine = Engine(ort_config(threads=1, infer_requests=1))
+    props = engine.models.runtime_properties
+    assert props["BACKEND"] == f"onnxruntime {ort.__version__}"
+    assert props["INFERENCE_NUM_THREADS"] == "1" and props["WEIGHTS"] == "fp32"
+    assert props["INFERENCE_PRECISION_HINT"] == "f32"
+    assert engine.models.kv_bytes_per_token == 2 * 3 * 2 * 32 * 4  # f32, 3 layers, 2 heads
+
+
+def test_int8_graphs_quantise_the_matmuls_and_still_answer(tmp_path: Path,
+                                                           engine: Engine) -> None:
+    model = tmp_path / "tiny-int8"
+    shutil.copytree(TINY, model, ignore=shutil.ignore_patterns("openvino_*"))
+    quantize_int8(model)
+    lm = onnx.load(str(model / "onnx_language_model.onnx"))
+    ops = {node.op_type for node in lm.graph.node}
+    assert "MatMulInteger" in ops and "DynamicQuantizeLinear" in ops
+    assert (model / "onnx_language_model.onnx").stat().st_size < \
+        0.5 * (TINY / "onnx_language_model.onnx").stat().st_size
+    assert not list(model.glob("*.int8.onnx*"))
+    int8 = Engine(ort_config(model, infer_requests=1))
+    assert int8.models.runtime_properties["WEIGHTS"] == "int8"
+    # The first prediction of each text case stays close to fp32's (random weights make
+    # later tokens diverge: only the logits are compared).
+    for name in ("short", "question", "system", "non_ascii"):
+        case = CASES[name]
+        logits = []
+        for eng in (engine, int8):
+            with eng.pool.acquire() as slot:
+                slot.reset()
+                ids = np.asarray(case["input_ids"])
+                positions = np.tile(np.arange(len(ids)), (3, 1))
+                logits.append(slot.step(slot.embed(ids), positions, np.zeros(len(ids), bool),
+                                        slot.no_deepstack()).copy())
+                slot.reset()
+        cosine = logits[0] @ logits[1] / np.linalg.norm(logits[0]) / np.linalg.norm(logits[1])
+        assert cosine > 0.99, name
+    assert len(ask(int8, CASES["image_photo"], model).token_ids) == 16
+    # `qvlctl model info` reads an ONNX-only directory and its weight types.
+    from qvlctl.model import info
+
+    document = info(model)
+    assert document["backend"] == "onnxruntime" and document["loadable"]
+    assert document["language_model_layout"] == "int8"
+    language = document["weights"]["language_model"]
+    assert max(language, key=language.get) == "int8", language
+
+
+def test_bf16_or_a_compressed_kv_cache_is_refused() -> None:
+    for setting in ({"precision": "bf16"}, {"kv_cache_precision": "u8"}):
+        with pytest.raises(ModelInvalid, match="onnxruntime backend computes at f32"):
+            Engine(Config(model=ModelConfig(path=TINY, backend="onnxruntime", **setting)))
+
+
+def test_a_directory_without_onnx_graphs_says_how_to_make_them(tmp_path: Path) -> None:
+    model = tmp_path / "ir-only"
+    shutil.copytree(TINY, model, ignore=shutil.ignore_patterns("onnx_*"))
+    with pytest.raises(ModelInvalid, match="qvlctl model export-onnx"):
+        Engine(ort_config(model))
+    # A broken graph is a typed error too, naming the file.
+    shutil.copytree(TINY, tmp_path / "broken")
+    (tmp_path / "broken" / "onnx_language_model.onnx").write_bytes(b"not a graph")
+    with pytest.raises(ModelInvalid, match=r"onnx_language_model\.onnx cannot be loaded"):
+        Engine(ort_config(tmp_path / "broken"))
+
+
+def test_every_submodel_has_its_graph() -> None:
+    for submodel in SUBMODELS:
+        graph = onnx.load(str(TINY / f"onnx_{submodel}.onnx"))
+        assert {p.key: p.value for p in graph.metadata_props}["qvld.weights"] == "fp32"
+    lm = ort.InferenceSession(str(TINY / "onnx_language_model.onnx"))
+    inputs = {i.name: i.shape for i in lm.get_inputs()}
+    # Explicit past key/values with dynamic batch and length, not a stateful graph.
+    assert inputs["past_key_values.0.key"] == ["batch", 2, "past", 32]
+    assert inputs["inputs_embeds"] == ["batch", "seq", 128]
+    assert [o.name for o in lm.get_outputs()][:2] == ["logits", "present.0.key"]
+
+
+@pytest.mark.slow
+def test_daemon_serves_on_onnxruntime(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path, args=["--set", "model.backend=onnxruntime"]).start()
+    try:
+        case = CASES["image_photo"]
+        with daemon.client() as client:
+            status = client.status()
+            assert status["model"]["runtime"]["BACKEND"].startswith("onnxruntime")
+            result = client.generate({"messages": with_image_bytes(case["messages"], TINY),
+                                      "max_tokens": case["max_new_tokens"], "temperature": 0})
+            assert result["token_ids"] == case["token_ids"]
+            # A bad image is refused with a typed error; the daemon serves on.
+            bad = {"messages": [{"role": "user", "content": [
+                {"type": "image", "image": b"not an image"}, {"type": "text", "text": "?"}]}]}
+            with pytest.raises(QvlError, match="image"):
+                client.generate(bad)
+            again = client.generate({"messages": with_image_bytes(case["messages"], TINY),
+                                     "max_tokens": case["max_new_tokens"], "temperature": 0})
+            assert again["token_ids"] == case["token_ids"]
+        metrics = daemon.qvlctl("metrics").stdout.decode()
+        assert 'backend="onnxruntime"' in metrics
+    finally:
+        assert daemon.stop() == 0, daemon.log()
