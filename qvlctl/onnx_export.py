@@ -247,7 +247,6 @@ def save_graph(src: Path, dst: Path, weights: str) -> None:
     The metadata entry ``qvld.weights`` says what the weights are (the engine reports it).
     """
     import onnx
-    from onnx.external_data_helper import set_external_data
 
     proto = onnx.load(str(src), load_external_data=False)
     del proto.metadata_props[:]
@@ -266,7 +265,10 @@ def save_graph(src: Path, dst: Path, weights: str) -> None:
                 offset = out.tell()
                 out.write(blob)
                 del tensor.external_data[:]
-                set_external_data(tensor, location=data.name, offset=offset, length=len(blob))
+                for key, value in (("location", data.name), ("offset", str(offset)),
+                                   ("length", str(len(blob)))):
+                    entry = tensor.external_data.add()
+                    entry.key, entry.value = key, value
     onnx.save_model(proto, str(dst))
 
 

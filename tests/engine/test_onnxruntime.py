@@ -16,7 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from qvlctl.onnx_export import quantize_int8
+from qvlctl.onnx_export import quantize_int8, save_graph
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
 from qvld.engine.model_dir import SUBMODELS
@@ -143,6 +143,28 @@ def test_int8_graphs_quantise_the_matmuls_and_still_answer(tmp_path: Path,
     assert document["language_model_layout"] == "int8"
     language = document["weights"]["language_model"]
     assert max(language, key=language.get) == "int8", language
+
+
+def test_large_graphs_keep_their_weights_in_one_aligned_data_file(tmp_path: Path) -> None:
+    # What the exporter gets for a full-size graph: one external file per tensor.
+    scattered = tmp_path / "traced" / "model.onnx"
+    scattered.parent.mkdir()
+    source = TINY / "onnx_text_embeddings_model.onnx"
+    onnx.save_model(onnx.load(str(source)), str(scattered), save_as_external_data=True,
+                    all_tensors_to_one_file=False, size_threshold=0)
+    assert len(list(scattered.parent.iterdir())) > 1
+    saved = tmp_path / "onnx_text_embeddings_model.onnx"
+    save_graph(scattered, saved, "fp32")
+    data = saved.with_name(saved.name + ".data")
+    graph = onnx.load(str(saved), load_external_data=False)
+    for tensor in graph.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in tensor.external_data}
+            assert info["location"] == data.name and int(info["offset"]) % 4096 == 0
+    ids = np.array([[1, 2, 3]])
+    want = ort.InferenceSession(str(source)).run(None, {"input": ids})[0]
+    got = ort.InferenceSession(str(saved)).run(None, {"input": ids})[0]
+    np.testing.assert_array_equal(got, want)
 
 
 def test_bf16_or_a_compressed_kv_cache_is_refused() -> None:
