@@ -1,6 +1,7 @@
 """Engine latency on one image: TTFT and time per output token (no daemon).
 
     python bench/engine_latency.py MODEL_DIR [--runs 3] [--new-tokens 64] [--size 448]
+                                   [--backend openvino|onnxruntime]
 
 Prints per-run figures and medians. The image is a generated 448x448 scene (196 image
 tokens with the real Qwen3-VL-2B geometry); generation ignores eos so every run decodes
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=448)
     parser.add_argument("--threads", default="auto", help="engine.threads")
     parser.add_argument("--dq", default="auto", help="model.dynamic_quantization")
+    parser.add_argument("--backend", default="openvino", choices=["openvino", "onnxruntime"])
     parser.add_argument("--pin", action="store_true",
                         help="apply qvld's tuning (pin one thread per physical core) first")
     args = parser.parse_args(argv)
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     dq = int(args.dq) if args.dq.isdigit() else args.dq
-    engine = Engine(Config(model=ModelConfig(path=args.model, dynamic_quantization=dq),
+    engine = Engine(Config(model=ModelConfig(path=args.model, dynamic_quantization=dq,
+                                             backend=args.backend),
                            engine=EngineConfig(infer_requests=1, threads=threads)))
     print(f"load+compile {time.perf_counter() - t0:.1f} s; "
           f"runtime {engine.models.runtime_properties}")

@@ -139,6 +139,8 @@ def _modules() -> Any:
                 & attention_mask[:, None, None, :].bool()
             bias = torch.zeros(allowed.shape, dtype=embeds.dtype).masked_fill(
                 ~allowed, torch.finfo(embeds.dtype).min)
+            groups = self.text.layers[0].self_attn.num_key_value_groups
+            group_bias = bias.repeat(1, 1, groups, 1)  # row g*S + i is query i
             # Row -> its image row: an add where the mask is set (deepstack), + 0 elsewhere.
             image_row = (torch.cumsum(visual_mask.long(), dim=-1) - 1).clamp(min=0)
             keep = visual_mask[..., None]
@@ -155,11 +157,15 @@ def _modules() -> Any:
                 k = torch.cat((past[2 * index], k), dim=2)
                 v = torch.cat((past[2 * index + 1], v), dim=2)
                 present += [k, v]
-                k = qwen.repeat_kv(k, attn.num_key_value_groups)
-                v = qwen.repeat_kv(v, attn.num_key_value_groups)
-                weights = torch.matmul(q, k.transpose(2, 3)) * attn.scaling + bias
+                # Grouped-query attention without repeating K and V for every query head:
+                # the heads sharing a KV head become rows ([B, kv, groups*S, hd]), so a
+                # step reads the cache once instead of writing a copy per group.
+                heads = q.shape[1]
+                q = q.reshape(batch, k.shape[1], groups * seq, attn.head_dim)
+                weights = torch.matmul(q, k.transpose(2, 3)) * attn.scaling + group_bias
                 weights = torch.softmax(weights, dim=-1, dtype=torch.float32)
-                out = torch.matmul(weights, v).transpose(1, 2).reshape(batch, seq, -1)
+                out = torch.matmul(weights, v).reshape(batch, heads, seq, attn.head_dim)
+                out = out.transpose(1, 2).reshape(batch, seq, -1)
                 hidden = hidden + attn.o_proj(out)
                 hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
                 if index < self.deepstack_layers:

@@ -95,8 +95,11 @@ class SessionModels:
         self.deepstack_layers = spec.vision.deepstack_layers
         # keys and values, every layer, every KV head, f32.
         self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
-        # ONNX Runtime reads the graphs into memory of its own: nothing stays mapped.
-        self.weight_files: set[str] = set()
+        # A large graph's weights (its .data file) may be mapped; the MatMul weights are
+        # prepacked into memory of ORT's own, so the mapped pages can be dropped.
+        self.weight_files = {str(p.resolve()) for sub in SUBMODELS
+                             for p in (spec.onnx(sub), spec.onnx(sub).with_name(
+                                 spec.onnx(sub).name + ".data")) if p.exists()}
         self.runtime_properties = {
             "BACKEND": f"onnxruntime {ort.__version__}",
             "INFERENCE_PRECISION_HINT": "f32",
@@ -169,15 +172,16 @@ class Slot(SlotCache):
         binding = self._binding
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
-        binding.bind_cpu_input("inputs_embeds",
-                               np.ascontiguousarray(embeds, dtype=np.float32).reshape(1, seq, -1))
-        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(self._ones[:, :total]))
-        binding.bind_cpu_input("position_ids",
-                               np.ascontiguousarray(positions, dtype=np.int64).reshape(3, 1, seq))
-        binding.bind_cpu_input("visual_pos_masks",
-                               np.ascontiguousarray(visual_mask, dtype=bool).reshape(1, seq))
-        binding.bind_cpu_input("deepstack_visual_embeds",
-                               np.ascontiguousarray(deepstack, dtype=np.float32))
+        # Held in a local until the run returns: the binding may point into them.
+        inputs = {
+            "inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32).reshape(1, seq, -1),
+            "attention_mask": np.ascontiguousarray(self._ones[:, :total]),
+            "position_ids": np.ascontiguousarray(positions, dtype=np.int64).reshape(3, 1, seq),
+            "visual_pos_masks": np.ascontiguousarray(visual_mask, dtype=bool).reshape(1, seq),
+            "deepstack_visual_embeds": np.ascontiguousarray(deepstack, dtype=np.float32),
+        }
+        for name, array in inputs.items():
+            binding.bind_cpu_input(name, array)
         for name, value in zip(self._models.past_names, self._kv, strict=True):
             binding.bind_ortvalue_input(name, value)
         binding.bind_output("logits", "cpu")
