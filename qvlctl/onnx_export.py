@@ -307,7 +307,15 @@ def export_directory(source: Path, out: Path, weights: str) -> None:
     export_fp32(source, out)
     if weights == "int8":
         _say("quantising the MatMul weights to int8")
-        quantize_int8(out)
+        # In a fresh process: quantising the full-size graph peaks at ~21 GB, and the
+        # heap torch kept after tracing would come on top of it.
+        import multiprocessing
+
+        child = multiprocessing.get_context("spawn").Process(target=quantize_int8, args=(out,))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"quantisation failed (exit {child.exitcode})")
     for name in SIDE_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
