@@ -58,10 +58,13 @@ PRECISIONS: list[Setting] = [
 
 
 def engine_for(model: Path, setting: Setting = ("", "auto", "auto", "auto")) -> Engine:
+    from qvlctl.model import backend_of
+
     _, precision, kv, dq = setting
     return Engine(Config(model=ModelConfig(path=model, precision=precision,  # type: ignore[arg-type]
                                            kv_cache_precision=kv,  # type: ignore[arg-type]
-                                           dynamic_quantization=dq),  # type: ignore[arg-type]
+                                           dynamic_quantization=dq,  # type: ignore[arg-type]
+                                           backend=backend_of(model)),  # type: ignore[arg-type]
                          engine=EngineConfig(infer_requests=1, image_cache_mb=0, kv_cache_mb=0)))
 
 
@@ -178,9 +181,13 @@ def quantisation(hf_dir: Path, models: list[Path], tokens: int, size: int,
                 (ref, hf(**extra).logits[0, len(extra["input_ids"][0]) - len(cont):].numpy())
                 for _, cont, ref, extra in cases])
     del hf, tokenizer_engine
+    from qvlctl.model import backend_of
+
     for model in models:
-        for setting in (("qvld default", "auto", "auto", "auto"),
-                        ("bf16, no DQ", "bf16", "auto", "off")):
+        settings: list[Setting] = [("qvld default", "auto", "auto", "auto")]
+        if backend_of(model) == "openvino":  # ONNX Runtime computes at f32 only
+            settings.append(("bf16, no DQ", "bf16", "auto", "off"))
+        for setting in settings:
             engine = engine_for(model, setting)
             report(f"{model.name} ({engine.models.runtime_properties['WEIGHTS']}), "
                    f"{setting[0]}", [(ref, forced_logits(engine, request, cont)[1])

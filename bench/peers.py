@@ -52,7 +52,11 @@ ROWS = [
     Row("qvld engine, int4 (qvld recipe)", "qvld", "qwen3-vl-2b-int4-sym", "4"),
     Row("GenAI VLMPipeline, int4 (qvld IR)", "genai", "qwen3-vl-2b-int4-sym", "4"),
     Row("llama.cpp Q4_K_M", "llamacpp", "gguf", "4", (("quant", "Q4_K_M"),)),
+    # An fp32 IR at OpenVINO's default precision (bf16 where the CPU has AMX or
+    # AVX512-BF16: the weights are converted at compile time), and at f32 like ORT.
     Row("qvld engine, OpenVINO fp32", "qvld", "qwen3-vl-2b-fp32", "32"),
+    Row("qvld engine, OpenVINO fp32 (f32 compute)", "qvld", "qwen3-vl-2b-fp32", "32",
+        (("precision", "f32"),)),
     Row("qvld engine, ONNX Runtime fp32", "qvld", "qwen3-vl-2b-onnx-fp32", "32", ORT),
     Row("qvld engine, ONNX Runtime int8", "qvld", "qwen3-vl-2b-onnx-int8", "8", ORT),
     Row("transformers fp32", "transformers", "qwen3-vl-2b-hf", "32", once=True),
@@ -192,7 +196,7 @@ def verdicts(med: dict[str, dict[str, float]]) -> list[str]:
         f"{ratio(q8, 'GenAI VLMPipeline, int8 (qvld IR)', 'peak_rss')}",
     ]
     ort8, ort32 = "qvld engine, ONNX Runtime int8", "qvld engine, ONNX Runtime fp32"
-    ov32 = "qvld engine, OpenVINO fp32"
+    ov32 = "qvld engine, OpenVINO fp32 (f32 compute)"
     for what, key in (("TTFT", "ttft_s"), ("time per token", "tpot_s"), ("peak RSS", "peak_rss")):
         lines.append(f"- {what}, ONNX Runtime / OpenVINO: int8 {ratio(ort8, q8, key)}; "
                      f"fp32 {ratio(ort32, ov32, key)}")

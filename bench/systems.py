@@ -63,12 +63,13 @@ def user(image: bytes | None, text: str) -> list[dict[str, Any]]:
 # -- qvld: the engine in this process -------------------------------------------------
 
 def run_qvld(model: Path, size: int, tokens: int, seed: int, *, backend: str = "openvino",
-             **_: Any) -> Result:
+             precision: str = "auto", **_: Any) -> Result:
     from qvld.config import Config, EngineConfig, ModelConfig
     from qvld.engine import Engine, GenerateRequest
 
     t0 = time.perf_counter()
-    engine = Engine(Config(model=ModelConfig(path=model, backend=backend),  # type: ignore[arg-type]
+    engine = Engine(Config(model=ModelConfig(path=model, backend=backend,  # type: ignore[arg-type]
+                                             precision=precision),  # type: ignore[arg-type]
                            engine=EngineConfig()))
     load = time.perf_counter() - t0
     engine.warmup()
