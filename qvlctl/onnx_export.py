@@ -58,10 +58,12 @@ def _modules() -> Any:
     from torch import nn
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
-    class TextEmbeddings(nn.Module):
-        def __init__(self, model: Any) -> None:
+    class TableLookup(nn.Module):
+        """Rows of an embedding table: the text embeddings, the vision position table."""
+
+        def __init__(self, table: Any) -> None:
             super().__init__()
-            self.table = model.model.language_model.embed_tokens
+            self.table = table
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             rows: torch.Tensor = self.table(ids)
@@ -78,15 +80,6 @@ def _modules() -> Any:
 
         def forward(self, rows: torch.Tensor) -> torch.Tensor:
             return nn.functional.linear(rows, self.weight, self.bias)
-
-    class PositionEmbedding(nn.Module):
-        def __init__(self, model: Any) -> None:
-            super().__init__()
-            self.table = model.model.visual.pos_embed
-
-        def forward(self, corners: torch.Tensor) -> torch.Tensor:
-            rows: torch.Tensor = self.table(corners)
-            return rows
 
     class VisionMerger(nn.Module):
         """Vision blocks over one image, the merger, and the deepstack mergers."""
@@ -176,7 +169,7 @@ def _modules() -> Any:
             logits = self.lm_head(self.text.norm(hidden[:, -1:, :]))
             return (logits, *present)
 
-    return TextEmbeddings, PatchEmbedding, PositionEmbedding, VisionMerger, LanguageModel
+    return TableLookup, PatchEmbedding, VisionMerger, LanguageModel
 
 
 def export_fp32(src: Path, dst: Path) -> None:
@@ -184,8 +177,7 @@ def export_fp32(src: Path, dst: Path) -> None:
     import torch
     from transformers import Qwen3VLForConditionalGeneration
 
-    text_embeddings, patch_embedding, position_embedding, vision_merger, language_model = \
-        _modules()
+    table_lookup, patch_embedding, vision_merger, language_model = _modules()
     model: Any = Qwen3VLForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
     model.eval()
     text, vision = model.config.text_config, model.config.vision_config
@@ -209,13 +201,14 @@ def export_fp32(src: Path, dst: Path) -> None:
                               dynamo=False, do_constant_folding=True)
             save_graph(traced, onnx_path(dst, name), "fp32")
 
-    export(text_embeddings(model), (torch.zeros(1, 3, dtype=torch.long),),
-           "text_embeddings_model", ["input"], ["inputs_embeds"],
+    export(table_lookup(model.model.language_model.embed_tokens),
+           (torch.zeros(1, 3, dtype=torch.long),), "text_embeddings_model", ["input"],
+           ["inputs_embeds"],
            {"input": {0: "batch", 1: "seq"}, "inputs_embeds": {0: "batch", 1: "seq"}})
     export(patch_embedding(model), (torch.zeros(n, patch),), "vision_embeddings_model",
            ["hidden_states"], ["patch_embeds"],
            {"hidden_states": {0: "patches"}, "patch_embeds": {0: "patches"}})
-    export(position_embedding(model), (torch.zeros(4, n, dtype=torch.long),),
+    export(table_lookup(model.model.visual.pos_embed), (torch.zeros(4, n, dtype=torch.long),),
            "vision_embeddings_pos_model", ["input"], ["pos_embeds"],
            {"input": {1: "patches"}, "pos_embeds": {1: "patches"}})
     export(vision_merger(model), (torch.zeros(n, vis_hidden), torch.zeros(1, n, n),

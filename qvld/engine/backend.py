@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,17 +61,22 @@ class Slot(Protocol):
                      rotary: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-class SlotCache:
+class SlotBase:
     """What every backend's slot keeps beside its KV cache, and how it is cut back.
 
     Subclasses say how their cache is dropped and truncated; the bookkeeping (length,
-    the prefix-cache keys, the watchdog's clock) is the same for all.
+    the prefix-cache keys, the watchdog's clock) and the step buffers allocated once
+    (the attention mask, the empty deepstack, the logits handed to the sampler) are the
+    same for all.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, deepstack_layers: int, hidden_size: int) -> None:
         self.past_len = 0
         self.history: list[tuple[int, bytes | None]] = []
         self.busy_since: float | None = None
+        self._ones = np.ones((1, 4096), dtype=np.int64)
+        self._no_deepstack = np.zeros((deepstack_layers, 1, hidden_size), np.float32)
+        self._logits = np.zeros(0, dtype=np.float32)
 
     def _drop_cache(self) -> None:
         raise NotImplementedError
@@ -92,6 +98,32 @@ class SlotCache:
             self._truncate_cache(keep)
             self.past_len = keep
         del self.history[keep:]
+
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        """Marks an inference call as running, for the watchdog."""
+        self.busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.busy_since = None
+
+    def _attention_mask(self, total: int) -> np.ndarray:
+        """[1, total] ones: a view of one buffer, which grows by doubling (rarely)."""
+        if total > self._ones.shape[1]:
+            self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
+        return self._ones[:, :total]
+
+    def _keep_logits(self, last: np.ndarray) -> np.ndarray:
+        """``last`` copied into the buffer ``step`` returns: the sampler may change it,
+        the runtime's own output stays intact."""
+        if self._logits.shape != last.shape:
+            self._logits = np.empty(last.shape, dtype=np.float32)
+        np.copyto(self._logits, last)
+        return self._logits
+
+    def no_deepstack(self) -> np.ndarray:
+        return self._no_deepstack
 
 
 class Models(Protocol):

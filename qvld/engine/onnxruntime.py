@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from qvld.config import EngineConfig, ModelConfig
-from qvld.engine.backend import SlotCache
+from qvld.engine.backend import SlotBase
 from qvld.engine.model_dir import SUBMODELS, ModelSpec
 from qvld.errors import ModelInvalid
 
@@ -118,11 +117,11 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-class Slot(SlotCache):
+class Slot(SlotBase):
     """One generation's KV cache (OrtValues bound between steps) and step buffers."""
 
     def __init__(self, models: SessionModels) -> None:
-        super().__init__()
+        super().__init__(models.deepstack_layers, models.hidden_size)
         self._models = models
         self._lm = models.sessions["language_model"]
         self._embed = models.sessions["text_embeddings_model"]
@@ -135,18 +134,11 @@ class Slot(SlotCache):
         # alive here: an OrtValue made from numpy does not own its memory).
         self._kv: list[ort.OrtValue] = []
         self._kv_arrays: list[np.ndarray] = []
-        self._ones = np.ones((1, 4096), dtype=np.int64)
-        self._no_deepstack = np.zeros((models.deepstack_layers, 1, models.hidden_size),
-                                      np.float32)
-        self._logits = np.zeros(0, dtype=np.float32)
         self.reset()
 
     def _run(self, session: ort.InferenceSession, inputs: dict[str, np.ndarray]) -> list[Any]:
-        self.busy_since = time.monotonic()
-        try:
+        with self._running():
             return list(session.run(None, inputs))
-        finally:
-            self.busy_since = None
 
     def _hold(self, arrays: list[np.ndarray]) -> None:
         self._kv_arrays = arrays
@@ -167,15 +159,13 @@ class Slot(SlotCache):
              deepstack: np.ndarray) -> np.ndarray:
         seq = embeds.shape[0]
         total = self.past_len + seq
-        if total > self._ones.shape[1]:
-            self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
         binding = self._binding
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
         # Held in a local until the run returns: the binding may point into them.
         inputs = {
             "inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32).reshape(1, seq, -1),
-            "attention_mask": np.ascontiguousarray(self._ones[:, :total]),
+            "attention_mask": self._attention_mask(total),
             "position_ids": np.ascontiguousarray(positions, dtype=np.int64).reshape(3, 1, seq),
             "visual_pos_masks": np.ascontiguousarray(visual_mask, dtype=bool).reshape(1, seq),
             "deepstack_visual_embeds": np.ascontiguousarray(deepstack, dtype=np.float32),
@@ -187,24 +177,14 @@ class Slot(SlotCache):
         binding.bind_output("logits", "cpu")
         for name in self._models.present_names:
             binding.bind_output(name, "cpu")
-        self.busy_since = time.monotonic()
-        try:
+        with self._running():
             self._lm.run_with_iobinding(binding)
-        finally:
-            self.busy_since = None
         outputs = binding.get_outputs()
         # The presents become the cache: the next step binds them as its pasts.
         self._kv = list(outputs[1:])
         self._kv_arrays = []
         self.past_len = total
-        last = outputs[0].numpy()[0, -1]
-        if self._logits.shape != last.shape:
-            self._logits = np.empty(last.shape, dtype=np.float32)
-        np.copyto(self._logits, last)
-        return self._logits
-
-    def no_deepstack(self) -> np.ndarray:
-        return self._no_deepstack
+        return self._keep_logits(outputs[0].numpy()[0, -1])
 
     def vision_patches(self, patches: np.ndarray) -> np.ndarray:
         rows = np.ascontiguousarray(patches, dtype=np.float32)

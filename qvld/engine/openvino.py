@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from qvld.config import EngineConfig, ModelConfig
-from qvld.engine.backend import SlotCache
+from qvld.engine.backend import SlotBase
 from qvld.engine.model_dir import ModelSpec
 from qvld.errors import ModelInvalid
 
@@ -281,30 +280,22 @@ def _text(value: Any) -> str:
     return str(value.to_string()) if hasattr(value, "to_string") else str(value)
 
 
-class Slot(SlotCache):
+class Slot(SlotBase):
     """One generation's infer requests; the LM request holds a KV cache (stateful)."""
 
     def __init__(self, models: CompiledModels) -> None:
-        super().__init__()
+        super().__init__(models.deepstack_layers, models.hidden_size)
         self._models = models
         self._lm = models.language.create_infer_request()
         self._embed = models.embeddings.create_infer_request()
         self._vision = models.vision.create_infer_request()
         self._vision_pos = models.vision_pos.create_infer_request()
         self._merger = models.vision_merger.create_infer_request()
-        # Inputs every step passes, allocated once: a view of ``_ones`` is the mask.
-        self._ones = np.ones((1, 4096), dtype=np.int64)
-        self._beam_idx = np.zeros(1, dtype=np.int32)
-        self._no_deepstack = np.zeros((models.deepstack_layers, 1, models.hidden_size),
-                                      np.float32)
-        self._logits = np.zeros(0, dtype=np.float32)
+        self._beam_idx = np.zeros(1, dtype=np.int32)  # allocated once, passed every step
 
     def _infer(self, request: Any, inputs: dict[str, Any]) -> Any:
-        self.busy_since = time.monotonic()
-        try:
+        with self._running():
             return request.infer(inputs, share_inputs=True)
-        finally:
-            self.busy_since = None
 
     def _drop_cache(self) -> None:
         self._lm.reset_state()
@@ -331,12 +322,9 @@ class Slot(SlotCache):
         buffer the next step overwrites (copy it to keep it).
         """
         seq = embeds.shape[0]
-        total = self.past_len + seq
-        if total > self._ones.shape[1]:  # grows by doubling: rare, never per step
-            self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
         inputs = {
             "inputs_embeds": embeds.reshape(1, seq, -1),
-            "attention_mask": self._ones[:, :total],
+            "attention_mask": self._attention_mask(self.past_len + seq),
             "position_ids": np.asarray(positions, dtype=np.int64).reshape(3, 1, seq),
             "visual_pos_masks": visual_mask.reshape(1, seq),
             "deepstack_visual_embeds": deepstack,
@@ -344,14 +332,7 @@ class Slot(SlotCache):
         }
         out = self._infer(self._lm, inputs)
         self.past_len += seq
-        last = out[0][0, -1]
-        if self._logits.shape != last.shape:
-            self._logits = np.empty(last.shape, dtype=np.float32)
-        np.copyto(self._logits, last)  # the sampler may change it; OpenVINO's stays intact
-        return self._logits
-
-    def no_deepstack(self) -> np.ndarray:
-        return self._no_deepstack
+        return self._keep_logits(out[0][0, -1])
 
     def vision_patches(self, patches: np.ndarray) -> np.ndarray:
         return np.array(self._infer(self._vision, {"hidden_states": patches})[0])
