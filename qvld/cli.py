@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import sys
 from collections.abc import Sequence
@@ -19,6 +20,25 @@ from qvld.config import (
 )
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
+
+
+def enable_crash_traces() -> None:
+    """Make a native crash leave a line in the journal.
+
+    SIGSEGV, SIGFPE, SIGABRT, SIGBUS or SIGILL inside OpenVINO kills the process before
+    logging can say anything (systemd then only records the signal, restart after
+    restart); faulthandler writes "Fatal Python error: ..." and every thread's Python
+    stack to stderr first, async-signal-safely. The original stderr if it was replaced
+    by something without a file descriptor.
+    """
+    for stream in (sys.stderr, sys.__stderr__):
+        if stream is None:
+            continue
+        try:
+            faulthandler.enable(file=stream, all_threads=True)
+            return
+        except (AttributeError, ValueError, OSError):  # no fileno(): e.g. captured output
+            continue
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +116,7 @@ def preflight(config: Config, as_json: bool, textfile: Path | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    enable_crash_traces()
     args = build_parser().parse_args(argv)
     path, overrides = config_source(args)
     try:

@@ -10,17 +10,31 @@ error of the load at once, unknown keys with a did-you-mean.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
+import socket
+import threading
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_CONFIG_PATH = Path("/etc/qvld/qvld.yaml")
+
+# What the runtime accepts, so that a value check-config passes cannot fail later:
+C_INT_MAX = 2**31 - 1  # setsockopt() and OpenVINO's integer properties take a C int
+FRAME_MAX = 2**32 - 1  # a frame's length prefix is 32 bits
+UID_MAX = 2**32 - 2  # uid_t is 32 bits and (uid_t)-1 means "no uid"
+MAX_THREADS = 1024  # more than any CPU qvld targets; OpenVINO clamps to the cores it has
+MAX_CPU = 8191  # Linux's NR_CPUS is at most 8192
+MAX_NUMA_NODE = 1023  # and MAX_NUMNODES at most 1024
+MAX_SECONDS = 30 * 86400  # no sane timeout is longer; far below threading.TIMEOUT_MAX
+SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
+RESOLVE_TIMEOUT_S = 5.0  # a metrics host name must resolve within this
 
 
 class ConfigError(Exception):
@@ -32,7 +46,16 @@ class ConfigError(Exception):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: NaN fails every comparison (a NaN timeout never passes) and
+    # time.monotonic() + inf cannot be waited on; no key means "forever".
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _no_nul(value: Any) -> Any:
+    """The OS refuses a path or name with a NUL byte (ValueError at first use)."""
+    if isinstance(value, str | Path) and "\0" in str(value):
+        raise ValueError("must not contain a NUL byte")
+    return value
 
 
 class ModelConfig(_Section):
@@ -46,16 +69,22 @@ class ModelConfig(_Section):
     # (bf16 where the CPU has it) for the vision models and float weights.
     precision: Literal["auto", "f32", "bf16"] = "auto"
     kv_cache_precision: Literal["auto", "f32", "f16", "u8"] = "auto"
+    # Compiled models are kept in a subdirectory named by the model's content, the
+    # runtime and the compile settings, and verified against a manifest before use.
     cache_dir: Path | None = None
     warmup: bool = True
     # OpenVINO's dynamic quantisation of activations for int8/int4 weights (at f32):
-    # auto (the weights' group size, 128 for per-channel weights), off, or a group size.
-    dynamic_quantization: int | Literal["auto", "off"] = "auto"
+    # auto (the weights' group size, 128 for per-channel weights), off, or a group size
+    # (0 is off; larger than any weight row is pointless; OpenVINO wraps negatives).
+    dynamic_quantization: Annotated[int, Field(ge=0, le=65536)] | Literal["auto", "off"] = "auto"
+
+    _no_nul_in_paths = field_validator("path", "cache_dir")(_no_nul)
 
 
 class EngineConfig(_Section):
-    threads: int | Literal["auto"] = "auto"
-    streams: int = Field(1, ge=1)
+    threads: Annotated[int, Field(ge=1, le=MAX_THREADS)] | Literal["auto"] = "auto"
+    # Only 1: see _one_stream.
+    streams: int = 1
     infer_requests: int = Field(4, ge=1, le=64)
     max_image_tokens: int = Field(1024, ge=1)
     default_image_tokens: int = Field(256, ge=1)
@@ -69,12 +98,37 @@ class EngineConfig(_Section):
     image_cache_mb: int = Field(256, ge=0)
     kv_cache_mb: int = Field(2048, ge=0)
     sessions_max: int = Field(64, ge=0)
-    session_ttl_s: float = Field(900, gt=0)
+    # Sessions one uid may hold (at most sessions_max): a user at the limit makes room
+    # by losing their own least recently used idle session, never someone else's.
+    sessions_per_user: int = Field(8, ge=1)
+    session_ttl_s: float = Field(900, gt=0, le=MAX_SECONDS)
+    # Raw bytes of session images kept for rebuilding a history whose KV cache and
+    # image embeddings were evicted, all sessions together (least recently used dropped).
+    session_image_mb: int = Field(64, ge=0)
+    # Reuse KV prefixes and image embeddings across users. Cheaper shared prompts, but
+    # cached_tokens and timings then tell a user what others asked: off by default.
+    share_caches: bool = False
+
+    @field_validator("streams")
+    @classmethod
+    def _one_stream(cls, value: int) -> int:
+        # Every generation owns one infer request per submodel, compiled for latency
+        # (PERFORMANCE_HINT=LATENCY); concurrency is engine.infer_requests. N streams
+        # would only split each generation's threads N ways (slower answers), and the
+        # CPU plugin derives threads per stream from the topology it sees (pinning,
+        # cgroups): a daemon with streams: 2 died of SIGFPE there, nothing logged, in a
+        # restart loop (not reproduced on the 2-core dev box; openvino#27581 is the same
+        # integer division by zero with NUM_STREAMS 2).
+        if value != 1:
+            raise ValueError(
+                "must be 1 (each generation runs on its own infer request with all the "
+                "inference threads; more streams only split them, and OpenVINO's CPU plugin "
+                "can crash with SIGFPE); remedy: remove engine.streams, and raise "
+                "engine.infer_requests for more concurrent generations")
+        return value
 
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> EngineConfig:
-        if isinstance(self.threads, int) and self.threads < 1:
-            raise ValueError("threads must be 'auto' or >= 1")
         if self.default_image_tokens > self.max_image_tokens:
             raise ValueError("default_image_tokens must not exceed max_image_tokens")
         if self.default_max_tokens > self.max_new_tokens:
@@ -85,17 +139,42 @@ class EngineConfig(_Section):
 class ServerConfig(_Section):
     socket: Path = Path("/run/qvld/qvld.sock")
     socket_mode: str = "0660"
-    max_frame_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_frame_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=FRAME_MAX)
     max_connections: int = Field(256, ge=1)
     # A client whose unread replies pass this is cut off and its generations cancelled.
-    send_buffer_bytes: int = Field(1024 * 1024, ge=4096)
-    read_timeout_s: float = Field(30, gt=0)
+    # Also the socket's SO_SNDBUF, a C int.
+    send_buffer_bytes: int = Field(1024 * 1024, ge=4096, le=C_INT_MAX)
+    read_timeout_s: float = Field(30, gt=0, le=MAX_SECONDS)
+    # A connection with no request in flight that sends no complete frame for this long
+    # is closed (qvlctl reconnects on its own), so idle ones cannot hold every slot.
+    idle_timeout_s: float = Field(120, gt=0)
+    # Bytes of incomplete frames being received, all connections together; one uid may
+    # hold at most max_frame_bytes of it. Past either: busy, and the line is closed.
+    max_pending_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # Requests one connection may have in flight at once (more: busy).
+    max_requests_per_connection: int = Field(16, ge=1)
     queue_max: int = Field(32, ge=0)
-    request_timeout_s: float = Field(300, gt=0)
-    drain_timeout_s: float = Field(30, ge=0)
-    allow_uids: list[int] = Field(default_factory=list)
+    request_timeout_s: float = Field(300, gt=0, le=MAX_SECONDS)
+    drain_timeout_s: float = Field(30, ge=0, le=MAX_SECONDS)
+    allow_uids: list[Annotated[int, Field(ge=0, le=UID_MAX)]] = Field(default_factory=list)
     allow_groups: list[str] = Field(default_factory=lambda: ["qvl"])
     admin_groups: list[str] = Field(default_factory=lambda: ["qvl-admin"])
+
+    @field_validator("socket")
+    @classmethod
+    def _socket_path_fits(cls, value: Path) -> Path:
+        _no_nul(value)
+        if len(os.fsencode(value)) > SUN_PATH_MAX:
+            raise ValueError(f"a Unix socket path is at most {SUN_PATH_MAX} bytes "
+                             f"({len(os.fsencode(value))} given); choose a shorter path")
+        return value
+
+    @field_validator("allow_groups", "admin_groups")
+    @classmethod
+    def _group_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            _no_nul(name)
+        return names
 
     @field_validator("socket_mode", mode="before")
     @classmethod
@@ -117,20 +196,88 @@ class MetricsConfig(_Section):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
+        """HOST:PORT the exporter can bind: an IPv4 literal, [IPv6], a name that
+        resolves now, or empty for every interface; a port 1..65535."""
         if not value:
             return None
-        _host, sep, port = value.rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{value!r} is not HOST:PORT")
+        host, sep, port = value.rpartition(":")
+        if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
+            raise ValueError(f"{value!r} is not HOST:PORT (a port 1..65535)")
+        problem = _listen_host_problem(host, int(port))
+        if problem:
+            raise ValueError(problem)
         return value
+
+
+def _listen_host_problem(host: str, port: int) -> str | None:
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"{host} is not an IPv6 address"
+        return None
+    if ":" in host:
+        return f"write an IPv6 address in brackets, e.g. [{host}]:{port}"
+    if not host:
+        return None  # every interface
+    try:
+        ipaddress.IPv4Address(host)
+        return None
+    except ValueError:
+        if re.fullmatch(r"[0-9.]+", host):  # not a name: do not ask the resolver
+            return f"{host!r} is not an IPv4 address"
+    return _resolve_problem(host, port)
+
+
+def _resolve_problem(host: str, port: int) -> str | None:
+    """Resolve as the exporter will (passive TCP), in a thread: a dead resolver must not
+    hang a start or a reload for long."""
+    outcome: list[str | None] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            outcome.append(None)
+        except (OSError, UnicodeError, ValueError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc)
+            outcome.append(f"host {host!r} does not resolve ({reason}); use an IP address "
+                           "such as 127.0.0.1 or [::1], or a name in /etc/hosts or DNS")
+
+    worker = threading.Thread(target=lookup, name="qvld-resolve", daemon=True)
+    worker.start()
+    worker.join(RESOLVE_TIMEOUT_S)
+    if not outcome:
+        return (f"host {host!r} did not resolve within {RESOLVE_TIMEOUT_S:g} s; use an IP "
+                "address such as 127.0.0.1")
+    return outcome[0]
 
 
 class TuningConfig(_Section):
     apply: bool = True
     pin_cpus: str | None = "auto"  # auto, a CPU list such as "0-3,6", or none
-    numa_node: int | Literal["auto"] | None = "auto"
+    numa_node: Annotated[int, Field(ge=0, le=MAX_NUMA_NODE)] | Literal["auto"] | None = "auto"
     governor: Literal["leave", "performance"] = "leave"
-    nofile: int = Field(65536, ge=64)
+    # setrlimit() takes it; the kernel's own ceiling (fs.nr_open) is below a C int.
+    nofile: int = Field(65536, ge=64, le=C_INT_MAX)
+
+    @field_validator("pin_cpus", mode="before")
+    @classmethod
+    def _cpu_list(cls, value: Any) -> Any:
+        """Parsed at start-up by tuning: a typo or a huge range must fail here instead."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # `pin_cpus: 3` in YAML is CPU 3
+        if not isinstance(value, str) or value in ("auto", ""):
+            return value
+        for part in value.split(","):
+            if not part.strip():
+                continue  # "0-3," reads as "0-3", as tuning parses it
+            match = re.fullmatch(r"\s*([0-9]+)(?:-([0-9]+))?\s*", part)
+            if match is None:
+                raise ValueError(f"{value!r} is not 'auto' or a CPU list such as \"0-3,6\"")
+            low, high = int(match[1]), int(match[2] or match[1])
+            if low > high or high > MAX_CPU:
+                raise ValueError(f"{part.strip()!r}: CPUs are 0..{MAX_CPU}, low-high")
+        return value
 
 
 class LoggingConfig(_Section):

@@ -4,13 +4,13 @@ and run the submodels.
 Every submodel is compiled once. A ``Slot`` bundles one infer request per submodel so
 that one generation owns everything it runs on; its KV cache is the language model
 request's internal state. The ``backend.SlotPool`` holds ``engine.infer_requests`` of them.
+
+The compiled-model cache is verified before OpenVINO sees it (``model_cache``).
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +22,8 @@ import openvino.opset13 as ops
 
 from qvld.config import EngineConfig, ModelConfig
 from qvld.engine.backend import SlotBase
-from qvld.engine.model_dir import ModelSpec
+from qvld.engine.model_cache import cache_key, open_model_cache
+from qvld.engine.model_dir import SUBMODELS, ModelSpec
 from qvld.errors import ModelInvalid
 
 log = logging.getLogger("qvld.engine")
@@ -132,23 +133,6 @@ def weight_layout(model: ov.Model) -> WeightLayout | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def usable_cache_dir(path: Path) -> bool:
-    """Whether the compiled-model cache can be written; if not, serve without it."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        log.warning("model.cache_dir %s is not usable (%s); compiling without a cache",
-                    path, exc.strerror or exc)
-        return False
-    if shutil.disk_usage(path).free < 256 << 20:
-        log.warning("model.cache_dir %s has less than 256 MiB free; compiling without a "
-                    "cache", path)
-        return False
-    return True
-
-
 def auto_precision(layout: WeightLayout | None, language: bool) -> str | None:
     """f32 for a language model with compressed weights, else the runtime's default.
 
@@ -198,50 +182,38 @@ class CompiledModels:
 
     def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
         core = ov.Core()
-        cache_dir = model_cfg.cache_dir
-        if cache_dir is not None and usable_cache_dir(cache_dir):
-            core.set_property({"CACHE_DIR": str(cache_dir)})
-        else:
-            cache_dir = None
-
-        def load(submodel: str) -> ov.Model:
-            path = spec.ir(submodel)
-            try:
-                return core.read_model(path)
-            except RuntimeError as exc:
-                raise ModelInvalid(f"{path.name} (or its .bin) cannot be read: "
-                                   f"{_last_line(exc)}") from exc
-
-        def compile_model(model: ov.Model, submodel: str,
-                          layout: WeightLayout | None = None) -> ov.CompiledModel:
-            # Each submodel gets the activation quantisation its own weights call for.
-            props = compile_properties(model_cfg, engine_cfg, layout or weight_layout(model),
-                                       language=submodel == "language_model")
-            try:
-                return core.compile_model(model, model_cfg.device, props)
-            except RuntimeError as exc:
-                raise ModelInvalid(f"openvino_{submodel}.xml cannot be compiled: "
-                                   f"{_last_line(exc)}") from exc
-
-        lm = load("language_model")
-        self.weight_layout = weight_layout(lm)
-        self.logits_sliced = slice_logits_to_last_position(lm)
-        self.language = compile_model(lm, "language_model", self.weight_layout)
-        self.embeddings = compile_model(load("text_embeddings_model"), "text_embeddings_model")
-        patch_model = load("vision_embeddings_model")
-        self.patch_matmul = patch_embedding_as_matmul(patch_model)
-        self.vision = compile_model(patch_model, "vision_embeddings_model")
-        self.vision_pos = compile_model(load("vision_embeddings_pos_model"),
-                                        "vision_embeddings_pos_model")
-        self.vision_merger = compile_model(load("vision_embeddings_merger_model"),
-                                           "vision_embeddings_merger_model")
+        models = {sub: _read(core, spec, sub) for sub in SUBMODELS}
+        self.weight_layout = weight_layout(models["language_model"])
+        self.logits_sliced = slice_logits_to_last_position(models["language_model"])
+        self.patch_matmul = patch_embedding_as_matmul(models["vision_embeddings_model"])
+        # Each submodel gets the activation quantisation its own weights call for.
+        props = {sub: compile_properties(
+                     model_cfg, engine_cfg,
+                     self.weight_layout if sub == "language_model" else weight_layout(model),
+                     language=sub == "language_model")
+                 for sub, model in models.items()}
+        # The cache is keyed by the properties too: the cache dir is set before compiling.
+        runtime = f"openvino {ov.__version__}"
+        key = "" if model_cfg.cache_dir is None else cache_key(spec, runtime,
+                                                               model_cfg.device, props)
+        blobs: list[Path] = []
+        with open_model_cache(model_cfg.cache_dir, key, runtime) as cache:
+            if cache is not None:
+                core.set_property({"CACHE_DIR": str(cache.path)})
+            compiled = {sub: _compile(core, models[sub], sub, model_cfg.device, props[sub])
+                        for sub in SUBMODELS}
+            if cache is not None:
+                cache.seal()
+                blobs = cache.blobs()
+        self.language = compiled["language_model"]
+        self.embeddings = compiled["text_embeddings_model"]
+        self.vision = compiled["vision_embeddings_model"]
+        self.vision_pos = compiled["vision_embeddings_pos_model"]
+        self.vision_merger = compiled["vision_embeddings_merger_model"]
         # Where the weights are mapped from: the IR's .bin files, or the compiled blobs
         # when the model cache served them.
-        self.weight_files = {str(spec.ir(sub).with_suffix(".bin").resolve()) for sub in (
-            "language_model", "text_embeddings_model", "vision_embeddings_model",
-            "vision_embeddings_pos_model", "vision_embeddings_merger_model")}
-        if cache_dir is not None:
-            self.weight_files |= {str(p.resolve()) for p in cache_dir.glob("*.blob")}
+        self.weight_files = {str(spec.ir(sub).with_suffix(".bin").resolve()) for sub in SUBMODELS}
+        self.weight_files |= {str(p.resolve()) for p in blobs}
         self.hidden_size = spec.hidden_size
         self.deepstack_layers = spec.vision.deepstack_layers
         kv_type = self.language.get_property("KV_CACHE_PRECISION")
@@ -257,6 +229,24 @@ class CompiledModels:
 
     def new_slot(self) -> Slot:
         return Slot(self)
+
+
+def _read(core: ov.Core, spec: ModelSpec, submodel: str) -> ov.Model:
+    path = spec.ir(submodel)
+    try:
+        return core.read_model(path)
+    except RuntimeError as exc:
+        raise ModelInvalid(f"{path.name} (or its .bin) cannot be read: "
+                           f"{_last_line(exc)}") from exc
+
+
+def _compile(core: ov.Core, model: ov.Model, submodel: str, device: str,
+             props: dict[str, Any]) -> ov.CompiledModel:
+    try:
+        return core.compile_model(model, device, props)
+    except RuntimeError as exc:
+        raise ModelInvalid(f"openvino_{submodel}.xml cannot be compiled: "
+                           f"{_last_line(exc)}") from exc
 
 
 def _sequence_axis(shape: Any, length: int) -> int:

@@ -153,7 +153,7 @@ def test_blobs_from_the_model_cache_are_released_too(tiny_dir: Path, tmp_path: P
 
     load()  # fills the cache
     engine = load()  # served from it
-    blobs = {str(p.resolve()) for p in tmp_path.glob("*.blob")}
+    blobs = {str(p.resolve()) for p in tmp_path.glob("*/*.blob")}  # in the keyed subdirectory
     assert blobs and blobs <= engine.models.weight_files
     engine.warmup()
     assert resident_bytes(engine.models.weight_files) == 0
