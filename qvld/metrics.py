@@ -7,6 +7,8 @@ Label values never come from client input: ``op`` is a known op or ``unknown`` a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -18,8 +20,8 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
     generate_latest,
-    start_http_server,
 )
+from prometheus_client.exposition import choose_encoder
 
 from qvld import protocol
 from qvld.errors import ERRORS_BY_CODE
@@ -151,14 +153,96 @@ class Metrics:
 
 
 class Exporter:
-    """The HTTP endpoint Prometheus scrapes (`metrics.listen`)."""
+    """The HTTP endpoint Prometheus scrapes (`metrics.listen`), served on the event loop.
 
-    def __init__(self, registry: CollectorRegistry, listen: str) -> None:
-        host, _, port = listen.rpartition(":")
-        self.server, self.thread = start_http_server(int(port), host.strip("[]") or "0.0.0.0",
-                                                     registry=registry)
-        log.info("metrics on http://%s/metrics", listen)
+    Anyone on the host can connect to it (no socket permission is needed), so what a
+    connection may cost is bounded: at most ``max_connections`` at once (more are
+    answered 503 and closed without being read), a request head of at most
+    ``max_head_bytes`` that must arrive within ``timeout_s``, one request per
+    connection, and the reply must be taken within ``timeout_s``. prometheus_client's
+    own server starts a thread per connection with no timeout: 1000 idle connections
+    were 1000 threads. The exposition itself (and its format negotiation) is still
+    prometheus_client's.
+    """
 
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def __init__(self, registry: CollectorRegistry, listen: str, max_connections: int = 16,
+                 timeout_s: float = 5.0, max_head_bytes: int = 8192) -> None:
+        self.registry = registry
+        self.listen = listen
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
+        self.max_head_bytes = max_head_bytes
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        host, _, port = self.listen.rpartition(":")
+        self._server = await asyncio.start_server(
+            self._serve, host.strip("[]") or "0.0.0.0", int(port),
+            limit=self.max_head_bytes, reuse_address=True)
+        log.info("metrics on http://%s/metrics", self.listen)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            if self.connections > self.max_connections:
+                writer.write(_response(503, b"too many connections\n"))
+            else:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout_s)
+                writer.write(self._answer(head))
+            await asyncio.wait_for(writer.drain(), self.timeout_s)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ValueError, ConnectionError):
+            pass  # a client that stalls, overflows or leaves gets nothing more
+        finally:
+            self.connections -= 1
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()  # unread: do not wait for the client
+            else:
+                writer.close()
+
+    def _answer(self, head: bytes) -> bytes:
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            return _response(400, b"bad request\n")
+        method, target = parts[0], parts[1].split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            return _response(405, b"only GET\n", [("Allow", "GET, HEAD")])
+        if target not in ("/metrics", "/"):
+            return _response(404, b"metrics are at /metrics\n")
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        body = encoder(self.registry)
+        return _response(200, body, [("Content-Type", content_type)],
+                         send_body=method == "GET")
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), self.timeout_s)
+            self._server = None
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            503: "Service Unavailable"}
+
+
+def _response(status: int, body: bytes, headers: list[tuple[str, str]] | None = None,
+              send_body: bool = True) -> bytes:
+    fields = [("Content-Type", "text/plain; charset=utf-8"), *(headers or [])]
+    fields = list(dict(fields).items())  # a later Content-Type replaces the default
+    fields += [("Content-Length", str(len(body))), ("Connection", "close")]
+    head = f"HTTP/1.1 {status} {_REASONS[status]}\r\n" + "".join(
+        f"{name}: {value}\r\n" for name, value in fields) + "\r\n"
+    return head.encode("latin-1") + (body if send_body else b"")

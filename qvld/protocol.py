@@ -11,6 +11,12 @@ The payload is packed with ``use_bin_type=True`` and read with ``raw=False`` and
 ``frame_too_large`` (and the connection closed), since the rest of the stream can no
 longer be trusted.
 
+What a frame may decode to is bounded too, before any Python object is built: a
+payload's msgpack headers are walked first (``check_shape``: cost bounded by the budget,
+since strings and binaries are stepped over by their length) and refused when it holds
+more than ``MAX_OBJECTS`` values or nests deeper than ``MAX_DEPTH``. Without that, one
+frame of 32 MiB of empty maps decodes to gigabytes of dicts, or stalls the event loop.
+
 Requests::
 
     {id: int, op: str, params: map}          # params may be omitted: {}
@@ -44,6 +50,10 @@ OPS = frozenset({
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
 SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# What one frame may decode to: a long chat with images is a few thousand values; the
+# budget keeps the worst frame's Python objects to a few MiB.
+MAX_OBJECTS = 65_536
+MAX_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -66,10 +76,82 @@ def frame_length(header: bytes, max_frame_bytes: int) -> int:
     return int(length)
 
 
-def unpack(payload: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Any:
-    """A frame's payload -> exactly one msgpack object, or ``bad_request``."""
+# Header byte -> (bytes of a length field, fixed payload bytes) for the scalar formats;
+# containers, strings and binaries are handled in check_shape.
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8,
+          0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+# Formats with a big-endian length field, then that many bytes (+1 for ext's type byte).
+_SIZED = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xd9: (1, 0), 0xda: (2, 0),
+          0xdb: (4, 0), 0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1)}
+# Containers with a length field: (bytes of the count, values per entry).
+_CONTAINERS = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}
+
+
+def check_shape(payload: bytes, max_objects: int = MAX_OBJECTS,
+                max_depth: int = MAX_DEPTH) -> int:
+    """Walk the msgpack headers of ``payload`` without building anything; the number of
+    values it holds, or ``bad_request`` past the object or depth budget.
+
+    Malformed bytes are left for the decoder to report: the walk only stops early.
+    """
+    view = memoryview(payload)
+    end = len(view)
+    pos = objects = 0
+    pending: list[int] = []  # values still to read in each open container
+    while pos < end:
+        if pending:
+            pending[-1] -= 1
+        objects += 1
+        if objects > max_objects:
+            raise BadRequest(f"the frame holds more than {max_objects} values")
+        b = view[pos]
+        pos += 1
+        count = 0
+        if b <= 0x7f or b >= 0xe0:
+            pass
+        elif b <= 0x8f:
+            count = 2 * (b & 0x0f)
+        elif b <= 0x9f:
+            count = b & 0x0f
+        elif b <= 0xbf:
+            pos += b & 0x1f
+        elif b in _FIXED:
+            pos += _FIXED[b]
+        elif b in _SIZED:
+            width, extra = _SIZED[b]
+            pos += width + extra + int.from_bytes(view[pos:pos + width], "big")
+        elif b in _CONTAINERS:
+            width, per = _CONTAINERS[b]
+            count = per * int.from_bytes(view[pos:pos + width], "big")
+            pos += width
+        else:
+            return objects  # 0xc1 (never used): the decoder says what is wrong
+        if count:
+            if count > max_objects:
+                raise BadRequest(f"the frame holds more than {max_objects} values")
+            pending.append(count)
+            if len(pending) > max_depth:
+                raise BadRequest(f"the frame nests deeper than {max_depth} levels")
+        while pending and pending[-1] == 0:
+            pending.pop()
+        if not pending:
+            break  # one complete value: anything after it is the decoder's to refuse
+    return objects
+
+
+def unpack(payload: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+           max_objects: int = MAX_OBJECTS) -> Any:
+    """A frame's payload -> exactly one msgpack object, or ``bad_request``.
+
+    The shape is checked before decoding (see the module docstring); the decoder's own
+    length limits back that up for every container and string.
+    """
+    check_shape(payload, max_objects)
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True,
-                                max_buffer_size=max(max_frame_bytes, len(payload)))
+                                max_buffer_size=max(max_frame_bytes, len(payload)),
+                                max_str_len=max_frame_bytes, max_bin_len=max_frame_bytes,
+                                max_array_len=max_objects, max_map_len=max_objects,
+                                max_ext_len=max_frame_bytes)
     try:
         unpacker.feed(payload)
         message = unpacker.unpack()

@@ -5,6 +5,12 @@ may be in flight on one connection and ``health`` never waits behind a generatio
 Replies are written whole (one ``write`` per frame) from the event loop thread only;
 worker threads hand their frames over with ``call_soon_threadsafe``. Any unexpected
 exception becomes ``internal`` at one boundary (``_run``), logged with the request id.
+
+What a client can make the daemon hold is bounded: connections (``max_connections``,
+refused ones included), idle connections (closed after ``idle_timeout_s``), the bytes
+of frames still arriving (``max_pending_bytes`` in all, ``max_frame_bytes`` per uid),
+requests in flight per connection, and what a frame decodes to (``protocol.unpack``).
+A refused peer's frames are never decoded beyond a few bytes.
 """
 
 from __future__ import annotations
@@ -128,6 +134,41 @@ class RequestContext:
 Handler = Callable[[RequestContext], Awaitable[Any]]
 
 
+class PendingBytes:
+    """Bytes of frames announced but not yet received, in all and per uid.
+
+    A frame is received into memory whole; without this bound every connection could
+    park a max-size half-frame (256 x 32 MiB).
+    """
+
+    def __init__(self, total: int, per_uid: int) -> None:
+        self.total = total
+        self.per_uid = per_uid
+        self.held = 0
+        self._by_uid: dict[int, int] = {}
+
+    def reserve(self, uid: int, n: int) -> bool:
+        mine = self._by_uid.get(uid, 0)
+        if self.held + n > self.total or mine + n > self.per_uid:
+            return False
+        self.held += n
+        self._by_uid[uid] = mine + n
+        return True
+
+    def release(self, uid: int, n: int) -> None:
+        self.held -= n
+        left = self._by_uid.get(uid, 0) - n
+        if left > 0:
+            self._by_uid[uid] = left
+        else:
+            self._by_uid.pop(uid, None)
+
+
+# A refused peer is answered with the id of its first request when that frame is tiny;
+# anything larger is not read at all.
+REFUSED_PEEK_BYTES = 1024
+
+
 class Connection:
     ids = itertools.count(1)
 
@@ -165,15 +206,24 @@ class Connection:
 class Server:
     def __init__(self, config: ServerConfig, dispatch: Callable[[RequestContext], Awaitable[Any]],
                  policy: AccessPolicy | None = None,
-                 on_reply: Callable[[object, str, float], None] | None = None) -> None:
+                 on_reply: Callable[[object, str, float, int], None] | None = None) -> None:
         self.config = config
         self.on_reply = on_reply
         self.dispatch = dispatch
         self.policy = policy or AccessPolicy(config)
         self.connections: set[Connection] = set()
+        self.refusing = 0  # connections being told busy/forbidden (count towards the limit)
+        self.pending = PendingBytes(config.max_pending_bytes, config.max_frame_bytes)
         self._server: asyncio.AbstractServer | None = None
         self._owned_path: Path | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def reconfigure(self, config: ServerConfig) -> None:
+        """New limits and access lists (a reload); the socket itself stays."""
+        self.config = config
+        self.policy = AccessPolicy(config)
+        self.pending.total = config.max_pending_bytes
+        self.pending.per_uid = config.max_frame_bytes
 
     # -- socket ---------------------------------------------------------------------
 
@@ -245,7 +295,7 @@ class Server:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.send_buffer_bytes)
         conn = Connection(reader, writer, peer, self.config.send_buffer_bytes)
         try:
-            if len(self.connections) >= self.config.max_connections:
+            if len(self.connections) + self.refusing >= self.config.max_connections:
                 await self._refuse(conn, Busy("too many connections; retry later"))
                 return
             if not self.policy.allowed(peer):
@@ -272,7 +322,7 @@ class Server:
         """One log line and the metrics for every request, whatever became of it."""
         seconds = time.monotonic() - t0
         if self.on_reply is not None:
-            self.on_reply(op, outcome, seconds)
+            self.on_reply(op, outcome, seconds, conn.peer.uid)
         if op == "health" and outcome == "ok":
             return  # health checks would drown the journal
         extra = "".join(f" {key}={value}" for key, value in fields.items())
@@ -283,38 +333,85 @@ class Server:
                 outcome, seconds, extra)
 
     async def _refuse(self, conn: Connection, exc: QvlError) -> None:
-        """Answer the first request (so the client reads why) and nothing more."""
+        """Answer the first request (so the client reads why) and nothing more.
+
+        Only a tiny first frame is read, to echo its id; past ``max_connections``
+        refusals in progress, not even that.
+        """
         rid = None
-        try:
-            payload = await asyncio.wait_for(self._read_frame(conn),
+        if self.refusing < self.config.max_connections:
+            self.refusing += 1
+            try:
+                rid = await asyncio.wait_for(self._peek_request_id(conn),
                                              min(self.config.read_timeout_s, 5.0))
-            if payload is not None:
-                rid = protocol.request_id(protocol.unpack(payload, self.config.max_frame_bytes))
-        except (QvlError, asyncio.TimeoutError):
-            pass
+            except (QvlError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                self.refusing -= 1
         conn.send(protocol.error(rid, exc))
 
+    @staticmethod
+    async def _peek_request_id(conn: Connection) -> int | None:
+        header = await conn.reader.readexactly(protocol.HEADER.size)
+        (length,) = protocol.HEADER.unpack(header)
+        if length > REFUSED_PEEK_BYTES:
+            return None
+        payload = await conn.reader.readexactly(length)
+        return protocol.request_id(protocol.unpack(payload, REFUSED_PEEK_BYTES, max_objects=64))
+
+    async def _wait_for_frame(self, conn: Connection) -> bytes | None:
+        """The first byte of the next frame; None when the line closes or stays idle
+        (nothing in flight) for ``idle_timeout_s``."""
+        while True:
+            try:
+                return await asyncio.wait_for(conn.reader.readexactly(1),
+                                              self.config.idle_timeout_s)
+            except asyncio.IncompleteReadError:
+                return None
+            except asyncio.TimeoutError:
+                if conn.in_flight:
+                    continue  # waiting for its own replies is not idle
+                log.info("connection %d (uid %d): idle for %.0f s; closing", conn.number,
+                         conn.peer.uid, self.config.idle_timeout_s)
+                return None
+
     async def _read_frame(self, conn: Connection) -> bytes | None:
+        """The next frame's payload; None when the line closes, idles or stalls.
+
+        Raises ``frame_too_large``, or ``busy`` when the bytes it announces do not fit
+        what the daemon holds of incomplete frames (the line cannot be read further).
+        """
+        first = await self._wait_for_frame(conn)
+        if first is None:
+            return None
+        timeout = self.config.read_timeout_s
         try:
-            header = await conn.reader.readexactly(protocol.HEADER.size)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                log.info("connection %d: closed inside a frame header", conn.number)
+            header = first + await asyncio.wait_for(
+                conn.reader.readexactly(protocol.HEADER.size - 1), timeout)
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError):
+            log.info("connection %d: closed or stalled inside a frame header", conn.number)
             return None
         length = protocol.frame_length(header, self.config.max_frame_bytes)
+        uid = conn.peer.uid
+        if not self.pending.reserve(uid, length):
+            raise Busy(f"the daemon is receiving too much at once ({length} more bytes "
+                       "do not fit server.max_pending_bytes or this user's share); retry")
         try:
-            return await asyncio.wait_for(conn.reader.readexactly(length),
-                                          self.config.read_timeout_s)
+            return await asyncio.wait_for(conn.reader.readexactly(length), timeout)
         except asyncio.TimeoutError:
             log.info("connection %d: frame not completed within %.0f s", conn.number,
-                     self.config.read_timeout_s)
+                     timeout)
             return None
+        except asyncio.IncompleteReadError:
+            return None
+        finally:
+            self.pending.release(uid, length)
 
     async def _read_loop(self, conn: Connection) -> None:
         while True:
             try:
                 payload = await self._read_frame(conn)
-            except FrameTooLarge as exc:
+            except (FrameTooLarge, Busy) as exc:
                 conn.send(protocol.error(None, exc))
                 return
             if payload is None:
@@ -327,11 +424,15 @@ class Server:
                 self._account(conn, None, None, exc.code, t0, {})
                 conn.send(protocol.error(None, exc))
                 continue
+            del payload  # the frame's bytes are not kept beside what they decoded to
             rid = protocol.request_id(message)
             try:
                 request = protocol.parse_request(message)
                 if request.id in conn.in_flight:
                     raise BadRequest(f"request id {request.id} is already in flight")
+                if len(conn.in_flight) >= self.config.max_requests_per_connection:
+                    raise Busy(f"this connection has {len(conn.in_flight)} requests in "
+                               "flight (server.max_requests_per_connection); retry")
             except QvlError as exc:
                 op = message.get("op") if isinstance(message, dict) else None
                 self._account(conn, rid, op, exc.code, t0, {})

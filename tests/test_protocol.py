@@ -8,6 +8,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qvld import protocol
 from qvld.errors import BadRequest, FrameTooLarge, QvlError
@@ -191,3 +193,67 @@ def test_duplicate_id_in_flight_is_refused(daemon: Daemon) -> None:
     final = raw.reply()
     assert final["id"] == 4 and final["ok"] is True
     raw.close()
+
+
+# -- what a frame may decode to -----------------------------------------------------------
+
+def _values(obj: Any) -> int:
+    """How many msgpack values ``obj`` packs to (a map's keys count)."""
+    if isinstance(obj, dict):
+        return 1 + sum(_values(k) + _values(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return 1 + sum(_values(v) for v in obj)
+    return 1
+
+
+_scalars = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1)
+            | st.floats(allow_nan=False)
+            | st.text(max_size=40) | st.binary(max_size=300))
+_trees = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=20)
+                      | st.dictionaries(st.text(max_size=8), inner, max_size=20),
+                      max_leaves=200)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_trees)
+def test_shape_walk_counts_exactly_what_the_decoder_builds(obj: Any) -> None:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    assert protocol.check_shape(payload) == _values(obj)
+    assert protocol.unpack(payload) == obj
+
+
+@pytest.mark.parametrize(
+    ("name", "payload", "fragment"),
+    [
+        ("a million empty maps", msgpack.packb([{}] * 1_000_000), "more than 65536 values"),
+        ("nested arrays of arrays", msgpack.packb([[[]] * 1000] * 1000), "more than 65536"),
+        ("a map announcing 2^31 entries", b"\xdf\x7f\xff\xff\xff", "more than 65536"),
+        ("33 levels deep", b"\x91" * 33 + b"\xc0", "deeper than 32 levels"),
+    ],
+)
+def test_frames_that_would_decode_to_too_much_are_refused_before_decoding(
+        name: str, payload: bytes, fragment: str) -> None:
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(BadRequest, match=fragment):
+        protocol.unpack(payload, 32 << 20)
+    # Refused from the headers alone: far less than decoding (which took seconds).
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_the_budget_is_the_limit_not_less() -> None:
+    at_budget = msgpack.packb([0] * (protocol.MAX_OBJECTS - 1))
+    assert protocol.check_shape(at_budget) == protocol.MAX_OBJECTS
+    assert len(protocol.unpack(at_budget)) == protocol.MAX_OBJECTS - 1
+    assert protocol.unpack(b"\x91" * 31 + b"\xc0") is not None  # 32 levels: fine
+
+
+def test_large_binaries_and_strings_are_stepped_over() -> None:
+    image = bytes(range(256)) * 40_000  # 10 MB
+    request = {"id": 1, "op": "generate", "params": {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": image},
+                                     {"type": "text", "text": "x" * 1_000_000}]}]}}
+    payload = msgpack.packb(request, use_bin_type=True)
+    assert protocol.check_shape(payload) == _values(request)
+    assert protocol.unpack(payload, 32 << 20) == request
