@@ -2,6 +2,14 @@
 
 Commands: /image PATH attaches an image to your next message, /reset starts over,
 /quit (or end of input) leaves and closes the session.
+
+Answers and the daemon's messages go through ``render.cleaner``: on a terminal their
+control characters are shown as ``\\xNN``, never obeyed. An answer the daemon cuts
+short (it is stopping: finish ``cancelled``) is reported and the chat ends with exit 5
+(retry later), since the daemon will not take the next turn either; a refusal it may
+not recover from (unavailable, forbidden) ends it with that error's exit code; other
+refusals (a bad image, a prompt too long) are reported and the chat goes on. Ctrl-C
+leaves quietly with 0, as /quit does.
 """
 
 from __future__ import annotations
@@ -13,11 +21,12 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from qvlctl import render
-from qvlctl.client import Client
+from qvlctl import exits, render, replies
+from qvlctl.client import Client, MalformedReply
 from qvld.errors import QvlError
 
 HELP = "commands: /image PATH, /reset, /quit"
+FATAL = ("unavailable", "forbidden")  # the next turn would be refused the same way
 
 
 class Chat:
@@ -29,6 +38,8 @@ class Chat:
         self.pending = list(images)
         self.system = system
         self.out, self.err = out, err
+        # Decided once per stream: answers stream token by token.
+        self.clean_out, self.clean_err = render.cleaner(out), render.cleaner(err)
         self.session = session or self.new_id()
         self.turns = 0
 
@@ -36,7 +47,8 @@ class Chat:
     def new_id() -> str:
         return f"chat-{os.getpid()}-{secrets.token_hex(4)}"
 
-    def say(self, text: str) -> None:
+    def say(self, text: str) -> dict[str, Any]:
+        """One turn: the answer streams to ``out``; the generate result is returned."""
         content: list[dict[str, Any]] = [{"type": "image", "image": data}
                                          for data in self.pending]
         content.append({"type": "text", "text": text})
@@ -46,7 +58,7 @@ class Chat:
         messages.append({"role": "user", "content": content})
 
         def show(piece: str, ids: list[int]) -> None:
-            self.out.write(piece)
+            self.out.write(self.clean_out(piece))
             self.out.flush()
 
         self.out.write("qvl> ")
@@ -54,9 +66,13 @@ class Chat:
                                        "session": self.session}, on_token=show)
         self.out.write("\n")
         self.out.flush()
-        self.err.write(render.timings_line(result) + "\n")
+        self.err.write(self.clean_err(render.timings_line(result)) + "\n")
         self.pending = []
         self.turns += 1
+        return result
+
+    def warn(self, text: str) -> None:
+        self.err.write(self.clean_err(f"qvlctl: {text}") + "\n")
 
     def command(self, line: str) -> bool:
         """Handle a /command; False means leave."""
@@ -72,14 +88,15 @@ class Chat:
                 self.pending.append(Path(arg.strip()).expanduser().read_bytes())
                 self.err.write(f"(image attached to your next message: {arg.strip()})\n")
             except OSError as exc:
-                self.err.write(f"cannot read {arg.strip()}: {exc.strerror}\n")
+                self.err.write(self.clean_err(f"cannot read {arg.strip()}: {exc.strerror}")
+                               + "\n")
         else:
             self.err.write(HELP + "\n")
         return True
 
     def close(self) -> None:
         if self.turns:
-            with contextlib.suppress(QvlError, OSError):
+            with contextlib.suppress(QvlError, MalformedReply, OSError):
                 self.client.close_session(self.session)
 
     def loop(self, stdin: TextIO = sys.stdin) -> int:
@@ -102,14 +119,18 @@ class Chat:
                         break
                     continue
                 try:
-                    self.say(line)
+                    result = self.say(line)
                 except QvlError as exc:
                     self.out.write("\n")
-                    self.err.write(f"qvlctl: {exc.code}: {exc.message}\n")
-                    if exc.code in ("unavailable", "forbidden"):
-                        return 1
+                    self.warn(f"{exc.code}: {exc.message}")
+                    if exc.code in FATAL:
+                        return exits.for_error_code(exc.code)
+                    continue
+                if replies.cut_short(result):
+                    self.warn(render.CUT_SHORT)
+                    return exits.EXIT_RETRY
         except KeyboardInterrupt:
             self.out.write("\n")
         finally:
             self.close()
-        return 0
+        return exits.EXIT_OK

@@ -1,9 +1,16 @@
 """`qvlctl`: ask qvld questions about images, and look at the daemon.
 
-Exit codes: 0 ok; 1 internal error; 2 usage; 3 no daemon answers on the socket;
-4 the request was refused (bad_request, image_invalid, image_too_large,
+Exit codes: 0 ok; 1 internal error, or the daemon sent a malformed reply; 2 usage
+(also an empty --socket); 3 no daemon answers on the socket, or the connection was
+lost; 4 the request was refused (bad_request, image_invalid, image_too_large,
 prompt_too_long, frame_too_large, unsupported_version); 5 busy or unavailable (retry
-later; also `health` when not ready); 6 timeout; 7 forbidden.
+later; also `health` when not ready, and an answer the daemon cut short, e.g. while
+stopping: `ask --json` still prints it); 6 timeout; 7 forbidden (by the daemon, or the
+socket's permissions: join the group that owns it); 130 interrupted (Ctrl-C).
+
+On a terminal, control characters in answers and in what the daemon reports are shown
+as \\xNN instead of being obeyed; through a pipe the text is exact. An empty
+QVLD_SOCKET counts as unset.
 """
 
 from __future__ import annotations
@@ -15,23 +22,39 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qvlctl import render
-from qvlctl.client import Client, ConnectFailed, default_socket
+from qvlctl import exits, render, replies
+from qvlctl.client import AccessDenied, Client, ConnectFailed, MalformedReply, default_socket
+from qvlctl.exits import (
+    EXIT_BY_CODE,
+    EXIT_FORBIDDEN,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_NO_DAEMON,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_RETRY,
+    EXIT_TIMEOUT,
+    EXIT_USAGE,
+)
 from qvld.errors import QvlError
 
-EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NO_DAEMON = 0, 1, 2, 3
-EXIT_REFUSED, EXIT_RETRY, EXIT_TIMEOUT, EXIT_FORBIDDEN = 4, 5, 6, 7
-EXIT_BY_CODE = {
-    "bad_request": EXIT_REFUSED, "image_invalid": EXIT_REFUSED,
-    "image_too_large": EXIT_REFUSED, "prompt_too_long": EXIT_REFUSED,
-    "frame_too_large": EXIT_REFUSED, "unsupported_version": EXIT_REFUSED,
-    "busy": EXIT_RETRY, "unavailable": EXIT_RETRY, "timeout": EXIT_TIMEOUT,
-    "forbidden": EXIT_FORBIDDEN,
-}
+__all__ = ["EXIT_BY_CODE", "EXIT_FORBIDDEN", "EXIT_INTERNAL", "EXIT_INTERRUPTED",
+           "EXIT_NO_DAEMON", "EXIT_OK", "EXIT_REFUSED", "EXIT_RETRY", "EXIT_TIMEOUT",
+           "EXIT_USAGE", "build_parser", "main"]
 
 
 class UsageError(Exception):
     pass
+
+
+def out(text: str, end: str = "\n") -> None:
+    """Text for people on stdout; on a terminal its control characters are shown."""
+    sys.stdout.write(render.cleaner(sys.stdout)(text) + end)
+
+
+def warn(text: str, prefix: str = "qvlctl: ") -> None:
+    """One `qvlctl: ...` line on stderr, made as safe as ``out`` (it may quote the daemon)."""
+    sys.stderr.write(render.cleaner(sys.stderr)(prefix + text) + "\n")
 
 
 def read_image(name: str, base: Path | None = None) -> bytes:
@@ -95,18 +118,32 @@ def cmd_ask(client: Client, args: argparse.Namespace) -> int:
     params = ask_params(args)
     if args.json:
         result = client.generate(params)
-        json.dump(result, sys.stdout, ensure_ascii=False)
-        sys.stdout.write("\n")
-        return EXIT_OK
+        sys.stdout.write(render.json_text(result) + "\n")
+    else:
+        result = stream_answer(client, params)
+    return answer_status(result)
+
+
+def stream_answer(client: Client, params: dict[str, Any]) -> dict[str, Any]:
+    """The answer streamed to stdout as it is generated; timings on stderr."""
+    clean = render.cleaner(sys.stdout)  # once, not per token
 
     def show(text: str, ids: list[int]) -> None:
-        sys.stdout.write(text)
+        sys.stdout.write(clean(text))
         sys.stdout.flush()
 
     result = client.generate(params, on_token=show)
     sys.stdout.write("\n")
     sys.stdout.flush()
-    print(render.timings_line(result), file=sys.stderr)
+    warn(render.timings_line(result), prefix="")
+    return result
+
+
+def answer_status(result: dict[str, Any]) -> int:
+    """The exit status of a finished answer: one the daemon cut short must not pass as 0."""
+    if replies.cut_short(result):
+        warn(render.CUT_SHORT)
+        return EXIT_RETRY
     return EXIT_OK
 
 
@@ -115,19 +152,25 @@ def cmd_health(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(health))
     else:
-        print(health.get("state", "unknown"))
-    return EXIT_OK if health.get("ready") else EXIT_RETRY
+        out(health["state"])
+    return EXIT_OK if health["ready"] else EXIT_RETRY
 
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:
     status = client.status()
-    print(json.dumps(status, indent=2) if args.json else render.key_values(status))
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        out(render.key_values(status))
     return EXIT_OK
 
 
 def cmd_config(client: Client, args: argparse.Namespace) -> int:
     config = client.config()
-    print(json.dumps(config, indent=2) if args.json else render.key_values(config))
+    if args.json:
+        print(json.dumps(config, indent=2))
+    else:
+        out(render.key_values(config))
     return EXIT_OK
 
 
@@ -154,34 +197,36 @@ def cmd_chat(client: Client, args: argparse.Namespace) -> int:
 def cmd_sessions(client: Client, args: argparse.Namespace) -> int:
     if args.close:
         closed = client.close_session(args.close)
-        print("closed" if closed else "no such session")
+        out("closed" if closed else "no such session")
         return EXIT_OK if closed else EXIT_REFUSED
     sessions = client.sessions(all_users=args.all)
     if args.json:
         print(json.dumps(sessions))
         return EXIT_OK
-    print(render.table(sessions, ["id", "uid", "turns", "tokens", "images", "idle_s", "busy"]))
+    out(render.table(sessions, ["id", "uid", "turns", "tokens", "images", "idle_s", "busy"]))
     return EXIT_OK
 
 
 def cmd_preflight(client: Client, args: argparse.Namespace) -> int:
-    document = dict(client.call("preflight"))
+    document = client.preflight()
     if args.json:
         print(json.dumps(document, indent=2))
     else:
         for check in document["checks"]:
-            print(f"{check['status']:<5} {check['id']:<13} {check['found']}")
+            out(f"{check['status']:<5} {check['id']:<13} {check['found']}")
             if check.get("remedy") and check["status"] in ("warn", "fail"):
-                print(f"      {'':<13} remedy: {check['remedy']}")
+                out(f"      {'':<13} remedy: {check['remedy']}")
         for action in document["tuning"]:
-            print(f"tuning {action['action']}: {action['result']}: {action['detail']}")
-    return EXIT_OK if document.get("ok") else EXIT_INTERNAL
+            out(f"tuning {action['action']}: {action['result']}: {action['detail']}")
+    return EXIT_OK if document["ok"] else EXIT_INTERNAL
 
 
 def cmd_metrics(client: Client, args: argparse.Namespace) -> int:
-    text = str(client.call("metrics")["text"])
-    print(render.metrics_summary(text) if args.summary else text, end="" if not
-          args.summary else "\n")
+    text = client.metrics()
+    if args.summary:
+        out(render.metrics_summary(text))
+    else:
+        out(text, end="")
     return EXIT_OK
 
 
@@ -189,14 +234,13 @@ def cmd_reload(client: Client, args: argparse.Namespace) -> int:
     result = client.reload()
     if args.json:
         print(json.dumps(result))
-    elif result.get("reloaded"):
-        print(f"reloaded: serving {result.get('model')}")
+    elif result["reloaded"]:
+        out(f"reloaded: serving {result.get('model')}")
         for key in result.get("restart_required", []):
-            print(f"note: {key} changed; it takes effect after a restart", file=sys.stderr)
-    if not result.get("reloaded"):
+            warn(f"note: {key} changed; it takes effect after a restart", prefix="")
+    if not result["reloaded"]:
         if not args.json:
-            print(f"qvlctl: reload failed; still serving the previous model: "
-                  f"{result.get('error')}", file=sys.stderr)
+            warn(f"reload failed; still serving the previous model: {result.get('error')}")
         return EXIT_INTERNAL
     return EXIT_OK
 
@@ -230,11 +274,20 @@ def cmd_model(args: argparse.Namespace) -> int:
     return EXIT_OK if report["exact"] == report["cases"] else EXIT_INTERNAL
 
 
+def socket_path(value: str) -> str:
+    """--socket's type: an explicit empty path is a mistake, not a wish for the default."""
+    if not value:
+        raise argparse.ArgumentTypeError(
+            "an empty path names no socket (leave --socket out to use $QVLD_SOCKET or "
+            "/run/qvld/qvld.sock)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qvlctl", description="Query and manage the qvld vision-language daemon.",
         epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--socket", default=default_socket(),
+    parser.add_argument("--socket", default=default_socket(), type=socket_path,
                         help="daemon socket (default: $QVLD_SOCKET or /run/qvld/qvld.sock)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds to wait for the daemon (default: no limit)")
@@ -339,22 +392,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Client(args.socket, timeout=args.timeout) as client:
             return int(args.func(client, args))
     except UsageError as exc:
-        print(f"qvlctl: {exc}", file=sys.stderr)
+        warn(str(exc))
         return EXIT_USAGE
+    except AccessDenied as exc:  # before OSError: the daemon may be fine, we may not enter
+        warn(exc.strerror or str(exc))
+        return EXIT_FORBIDDEN
     except ConnectFailed as exc:
-        print(f"qvlctl: {exc.strerror}", file=sys.stderr)
+        warn(exc.strerror or str(exc))
         return EXIT_NO_DAEMON
+    except MalformedReply as exc:  # the daemon's fault: neither a refusal nor a lost line
+        warn(f"the daemon sent a malformed reply: {exc.detail}")
+        return EXIT_INTERNAL
     except QvlError as exc:
-        print(f"qvlctl: {exc.code}: {exc.message}", file=sys.stderr)
-        return EXIT_BY_CODE.get(exc.code, EXIT_INTERNAL)
+        warn(f"{exc.code}: {exc.message}")
+        return exits.for_error_code(exc.code)
     except TimeoutError:
-        print("qvlctl: timeout: the daemon did not answer in time", file=sys.stderr)
+        warn("timeout: the daemon did not answer in time")
         return EXIT_TIMEOUT
     except (ConnectionError, OSError) as exc:
-        print(f"qvlctl: connection lost: {exc}", file=sys.stderr)
+        warn(f"connection lost: {exc}")
         return EXIT_NO_DAEMON
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # the user's own stop: no message, the shell's status
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -3,22 +3,30 @@
     with Client("/run/qvld/qvld.sock") as client:
         result = client.generate({"messages": [...]}, on_token=print)
 
-Imports only ``qvld.protocol`` and ``qvld.errors``: usable from any program without
-the engine's dependencies. Errors from the daemon raise the matching ``QvlError``.
+Imports only ``qvld.protocol``, ``qvld.errors`` and ``qvlctl.replies``: usable from any
+program without the engine's dependencies. Errors from the daemon raise the matching ``QvlError``;
+replies that break the protocol raise ``MalformedReply`` (see ``qvlctl.replies``); a
+socket this user may not open raises ``AccessDenied`` with what to do about it.
 """
 
 from __future__ import annotations
 
+import grp
 import itertools
 import os
+import select
 import socket
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from qvlctl import replies
+from qvlctl.replies import MalformedReply
 from qvld import protocol
-from qvld.errors import QvlError
+
+__all__ = ["DEFAULT_SOCKET", "AccessDenied", "Client", "ConnectFailed", "MalformedReply",
+           "default_socket"]
 
 DEFAULT_SOCKET = "/run/qvld/qvld.sock"
 TokenHandler = Callable[[str, list[int]], None]
@@ -28,14 +36,50 @@ class ConnectFailed(OSError):
     """No daemon answers on the socket path."""
 
 
+class AccessDenied(OSError):
+    """The socket (or its directory) does not let this user in; ``strerror`` says why."""
+
+
 def default_socket() -> str:
+    # An empty QVLD_SOCKET is treated as unset, as shells leave `QVLD_SOCKET=` around.
     return os.environ.get("QVLD_SOCKET") or DEFAULT_SOCKET
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:  # a gid without a name: usermod takes the number as well
+        return str(gid)
+
+
+def access_hint(path: str) -> str:
+    """Why ``path`` refused this user, and the usual remedy (the group that owns it)."""
+    for candidate in (path, os.path.dirname(path) or "."):
+        try:
+            st = os.stat(candidate)
+        except OSError:
+            continue  # a directory we may not search hides the socket: ask its parent
+        if candidate == path and not st.st_mode & 0o020:
+            # Joining the group would not help: only the owner may write (connect).
+            return (f"permission denied on {path}: its mode {st.st_mode & 0o777:04o} lets "
+                    f"only its owner connect; ask an administrator for access "
+                    f"(server.socket_mode, server.allow_groups)")
+        group = _group_name(st.st_gid)
+        break
+    else:
+        group = "qvl"  # what the packages create for clients
+    return (f"permission denied on {path}: join the group that owns it "
+            f"(e.g. `sudo usermod -aG {group} $USER`, then log in again)")
 
 
 class Client:
     def __init__(self, path: str | Path | None = None, timeout: float | None = None,
                  max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES) -> None:
-        self.path = str(path or default_socket())
+        # Only None means "the default": an empty path is a caller's mistake, not a wish
+        # for /run/qvld/qvld.sock.
+        self.path = default_socket() if path is None else str(path)
+        if not self.path:
+            raise ValueError("the socket path is empty")
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
         self._sock: socket.socket | None = None
@@ -60,6 +104,9 @@ class Client:
             sock.close()
             raise ConnectFailed(exc.errno, f"no daemon answers on {self.path} "
                                            f"({exc.strerror})") from exc
+        except PermissionError as exc:  # EACCES/EPERM: the daemon may well be running
+            sock.close()
+            raise AccessDenied(exc.errno, access_hint(self.path)) from exc
         except OSError:
             sock.close()
             raise
@@ -69,6 +116,21 @@ class Client:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def _reconnect_if_closed(self) -> None:
+        """Between requests, a line the daemon closed (it closes idle connections after
+        server.idle_timeout_s, e.g. while a chat user thinks) is opened again, so a
+        long-lived client never sees the idle timeout."""
+        sock = self._sock
+        if sock is None or not select.select([sock], [], [], 0)[0]:
+            return  # nothing to read: still open
+        try:
+            closed = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (ConnectionResetError, BlockingIOError):
+            closed = True
+        if closed:
+            self.close()
+            self.connect()
 
     # -- frames ---------------------------------------------------------------------
 
@@ -89,12 +151,10 @@ class Client:
         return b"".join(chunks)
 
     def receive(self) -> dict[str, Any]:
-        length = protocol.frame_length(self._recv_exactly(protocol.HEADER.size),
-                                       self.max_frame_bytes)
-        message = protocol.unpack(self._recv_exactly(length), self.max_frame_bytes)
-        if not isinstance(message, dict):
-            raise ConnectionError("the daemon sent a frame that is not a map")
-        return message
+        """The next reply map (``MalformedReply`` if the frame is not one)."""
+        length = replies.frame_length(self._recv_exactly(protocol.HEADER.size),
+                                      self.max_frame_bytes)
+        return replies.decode(self._recv_exactly(length), self.max_frame_bytes)
 
     # -- requests -------------------------------------------------------------------
 
@@ -102,45 +162,52 @@ class Client:
              on_event: Callable[[dict[str, Any]], None] | None = None) -> Any:
         """Send one request and wait for its final reply; events go to ``on_event``."""
         rid = next(self._ids)
+        self._reconnect_if_closed()
         try:
             self.send({"id": rid, "op": op, "params": params or {}})
         except (BrokenPipeError, ConnectionResetError):
             # The daemon closed the line mid-request (e.g. frame_too_large): its last
             # frame says why.
-            reply = self.receive()
-            raise QvlError.from_wire(reply.get("error") or {}) from None
+            return replies.result(self.receive())
         while True:
             reply = self.receive()
-            if reply.get("id") not in (rid, None):
+            if replies.reply_id(reply) not in (rid, None):
                 continue  # a reply to another request of this connection
             if "event" in reply:
                 if on_event is not None:
                     on_event(reply)
                 continue
-            if reply.get("ok"):
-                return reply.get("result")
-            raise QvlError.from_wire(reply.get("error") or {})
+            return replies.result(reply)
+
+    # Each op's result is checked here, once, so callers index it without guarding.
 
     def hello(self) -> dict[str, Any]:
-        return dict(self.call("hello", {"v": protocol.PROTOCOL_VERSION}))
+        return replies.as_map(self.call("hello", {"v": protocol.PROTOCOL_VERSION}),
+                              "the hello result")
 
     def health(self) -> dict[str, Any]:
-        return dict(self.call("health"))
+        return replies.health(self.call("health"))
 
     def status(self) -> dict[str, Any]:
-        return dict(self.call("status"))
+        return replies.as_map(self.call("status"), "the status result")
 
     def config(self) -> dict[str, Any]:
-        return dict(self.call("config"))
+        return replies.as_map(self.call("config"), "the config result")
 
     def sessions(self, all_users: bool = False) -> list[dict[str, Any]]:
-        return list(self.call("sessions", {"action": "list", "all": all_users})["sessions"])
+        return replies.sessions(self.call("sessions", {"action": "list", "all": all_users}))
 
     def close_session(self, sid: str) -> bool:
-        return bool(self.call("sessions", {"action": "close", "id": sid})["closed"])
+        return replies.closed(self.call("sessions", {"action": "close", "id": sid}))
 
     def reload(self) -> dict[str, Any]:
-        return dict(self.call("reload"))
+        return replies.reload(self.call("reload"))
+
+    def preflight(self) -> dict[str, Any]:
+        return replies.preflight(self.call("preflight"))
+
+    def metrics(self) -> str:
+        return replies.metrics_text(self.call("metrics"))
 
     def generate(self, params: dict[str, Any],
                  on_token: TokenHandler | None = None) -> dict[str, Any]:
@@ -148,7 +215,8 @@ class Client:
         params = dict(params, stream=on_token is not None)
 
         def event(message: dict[str, Any]) -> None:
-            if on_token is not None and message.get("event") == "token":
-                on_token(str(message.get("text", "")), list(message.get("token_ids", [])))
+            piece = replies.token(message)
+            if on_token is not None and piece is not None:
+                on_token(*piece)
 
-        return dict(self.call("generate", params, on_event=event))
+        return replies.generated(self.call("generate", params, on_event=event))

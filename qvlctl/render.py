@@ -1,8 +1,67 @@
-"""Human-readable output for qvlctl (JSON output is produced by cli.py directly)."""
+"""Human-readable output for qvlctl, and what reaches a terminal.
+
+Model output and every string the daemon sends are untrusted: an ESC or OSC sequence in
+generated text could retitle the terminal, rewrite what is on screen, or (OSC 52) set
+the clipboard. So when the stream is a terminal (``is_terminal``), control characters
+are shown instead of obeyed: every C0 control except newline and tab, DEL, and every C1
+control becomes the Python-style escape ``\\xNN`` (ESC shows as ``\\x1b``, CSI U+009B
+as ``\\x9b``); carriage return is escaped too, since it lets text overwrite what
+precedes it. ``\\xNN`` was chosen over control pictures (␛) or caret notation (^[)
+because it is plain ASCII, names the exact code point and reads the same in every font
+(it is for display only: backslashes in the text itself are left alone). Everything
+else, including all non-ASCII text, passes unchanged.
+
+When the stream is not a terminal (a pipe or a file), text is written exactly as the
+daemon sent it, so scripts get the real answer. JSON output is exact JSON either way
+(``json_text``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Callable
+from typing import IO, Any
+
+# C0 without \t and \n, DEL, C1: the code points a terminal may act on.
+CONTROLS = [*(c for c in range(0x20) if c not in (0x09, 0x0A)), 0x7F, *range(0x80, 0xA0)]
+_VISIBLE = {c: f"\\x{c:02x}" for c in CONTROLS}
+# JSON's own escaping (json.dumps with ensure_ascii=False) leaves DEL and C1 raw.
+_JSON_UNSAFE = {c: f"\\u{c:04x}" for c in range(0x7F, 0xA0)}
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with control characters shown as ``\\xNN`` (newline and tab kept)."""
+    return text.translate(_VISIBLE)
+
+
+def is_terminal(stream: IO[str]) -> bool:
+    """Whether ``stream`` is a terminal (False when it cannot say, e.g. once closed)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # closed, detached or not a real file
+        return False
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def cleaner(stream: IO[str]) -> Callable[[str], str]:
+    """What to pass text through before writing it to ``stream`` (decided once)."""
+    return escape_controls if is_terminal(stream) else _same
+
+
+def json_text(document: Any, indent: int | None = None) -> str:
+    """``document`` as exact JSON that is still safe on a terminal.
+
+    Non-ASCII text stays readable (ensure_ascii=False); DEL and C1, which JSON allows
+    raw inside strings, are written as \\u escapes, which decode to the same string.
+    """
+    return json.dumps(document, ensure_ascii=False, indent=indent).translate(_JSON_UNSAFE)
+
+
+CUT_SHORT = ("the answer was cut short: the daemon stopped or cancelled it "
+             "(it may be restarting); try again later")
 
 
 def timings_line(result: dict[str, Any]) -> str:

@@ -91,7 +91,8 @@ def test_reload_keeps_serving(guest: Guest) -> None:
 def test_outsider_is_refused_and_a_qvl_member_is_served(guest: Guest) -> None:
     guest.run("useradd --no-create-home outsider && useradd --no-create-home -G qvl alice")
     code, _, err = qvlctl(guest, "health", user="outsider", check=False)
-    assert code == 3 and "Permission denied" in err
+    # The socket's permissions refuse it: forbidden, with the group to join.
+    assert code == 7 and "permission denied" in err and "usermod -aG qvl" in err, err
     code, out, _ = qvlctl(guest, "health", user="alice", check=False)
     assert code == 0 and out.strip() == "ready"
     code, _, err = qvlctl(guest, "reload", user="alice", check=False)

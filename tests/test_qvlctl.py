@@ -1,0 +1,544 @@
+"""qvlctl against daemons that misbehave or are out of reach.
+
+A fake daemon (a thread on a real Unix socket) answers each request with chosen raw
+frames, so every test drives the real command line (or the real client) through the
+real socket code: control characters in answers, answers cut short by a drain,
+malformed replies, a socket this user may not open, an empty --socket.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import termios
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from qvlctl import cli, render
+from qvlctl.chat import Chat
+from qvlctl.client import DEFAULT_SOCKET, Client
+from qvld import protocol
+from tests.conftest import NOBODY, Daemon, run_qvlctl
+
+Responder = Callable[[dict[str, Any]], list[bytes]]
+
+# Everything a terminal could act on, split across tokens, plus text that must survive.
+EVIL_TOKENS = ["red\x1b", "[31m!\x1b]0;pwned\x07 ", "\x9b2J\rdone\x7f", "\ttab\nline2 é 中"]
+EVIL = "".join(EVIL_TOKENS)
+EVIL_SHOWN = "red\\x1b[31m!\\x1b]0;pwned\\x07 \\x9b2J\\x0ddone\\x7f\ttab\nline2 é 中"
+
+
+# -- a fake daemon ----------------------------------------------------------------------
+
+
+def frame(payload: bytes) -> bytes:
+    return protocol.HEADER.pack(len(payload)) + payload
+
+
+def packed(message: Any) -> bytes:
+    """Any msgpack value as a frame (protocol.pack only takes maps)."""
+    return frame(msgpack.packb(message, use_bin_type=True))
+
+
+def ok(rid: int, result: Any) -> bytes:
+    return packed({"id": rid, "ok": True, "result": result})
+
+
+def generate_result(text: str, finish: str = "stop") -> dict[str, Any]:
+    return {"text": text, "token_ids": [5, 6, 7], "finish_reason": finish,
+            "usage": {"prompt_tokens": 9, "completion_tokens": 3, "image_tokens": 0,
+                      "cached_tokens": 0},
+            "timings": {"queue_s": 0.0, "image_s": 0.0, "prefill_s": 0.01, "ttft_s": 0.01,
+                        "decode_s": 0.02, "total_s": 0.03}}
+
+
+def answers(pieces: list[str], finish: str = "stop",
+            others: dict[str, Any] | None = None) -> Responder:
+    """A daemon that streams ``pieces`` for generate and answers other ops from ``others``."""
+    def respond(request: dict[str, Any]) -> list[bytes]:
+        rid = request["id"]
+        if request["op"] != "generate":
+            return [ok(rid, (others or {}).get(request["op"], {"closed": True}))]
+        events = [packed(protocol.token_event(rid, p, [1])) for p in pieces] \
+            if request["params"].get("stream") else []
+        return [*events, ok(rid, generate_result("".join(pieces), finish))]
+    return respond
+
+
+class FakeDaemon:
+    """A Unix socket answering each request with the frames ``respond`` returns."""
+
+    def __init__(self, path: Path, respond: Responder) -> None:
+        self.path, self.respond = path, respond
+        self.requests: list[dict[str, Any]] = []
+        self.stopping = threading.Event()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(8)
+        self.listener.settimeout(0.1)
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                self.converse(conn)
+
+    def converse(self, conn: socket.socket) -> None:
+        conn.settimeout(0.1)
+        frames = protocol.FrameBuffer()
+        while not self.stopping.is_set():
+            try:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                for payload in frames.feed(data):
+                    request = protocol.unpack(payload)
+                    self.requests.append(request)
+                    for out in self.respond(request):
+                        conn.sendall(out)
+            except TimeoutError:
+                continue
+            except OSError:  # the client left (e.g. after a malformed frame)
+                return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        self.listener.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[Callable[[Responder], Path]]:
+    """Start fake daemons; their sockets live in a short path (sun_path is 108 bytes)."""
+    workdir = Path(tempfile.mkdtemp(prefix="qvlctl-", dir="/tmp"))
+    servers: list[FakeDaemon] = []
+
+    def start(respond: Responder) -> Path:
+        server = FakeDaemon(workdir / f"fake{len(servers)}.sock", respond)
+        servers.append(server)
+        return server.path
+
+    yield start
+    for server in servers:
+        server.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def qvlctl_argv(socket_path: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "qvlctl.cli", "--socket", str(socket_path), *args]
+
+
+def run_on_pty(socket_path: Path, *args: str, stdin: bytes = b"",
+               timeout: float = 30) -> tuple[int, str]:
+    """qvlctl with stdout and stderr on a real terminal: its exit code and what it showed.
+
+    Output post-processing (OPOST: \\n -> \\r\\n) is off, so the bytes read are exactly
+    the bytes qvlctl wrote.
+    """
+    master, slave = pty.openpty()
+    attrs = termios.tcgetattr(slave)
+    attrs[1] &= ~termios.OPOST
+    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    proc = subprocess.Popen(qvlctl_argv(socket_path, *args), stdin=subprocess.PIPE,
+                            stdout=slave, stderr=slave)
+    os.close(slave)
+    assert proc.stdin is not None
+    proc.stdin.write(stdin)
+    proc.stdin.close()
+    shown = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.1)
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every writer of the terminal is gone
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    return proc.wait(timeout), shown.decode()
+
+
+def raw_controls(text: str) -> list[str]:
+    """The characters a terminal would act on (newline and tab are fine)."""
+    return [c for c in text if ord(c) in render.CONTROLS]
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+# -- 1. control characters never reach a terminal ----------------------------------------
+
+
+def test_escape_controls_shows_every_c0_c1_and_del_but_keeps_newline_and_tab() -> None:
+    assert render.escape_controls(EVIL) == EVIL_SHOWN
+    assert render.escape_controls("\x00\x1f\x80\x9f") == "\\x00\\x1f\\x80\\x9f"
+    every = "".join(map(chr, range(0x100)))
+    assert raw_controls(render.escape_controls(every)) == []
+    assert render.escape_controls("plain, é, 中, \u00a0, \\x1b") == "plain, é, 中, \u00a0, \\x1b"
+
+
+def test_the_terminal_decision_follows_the_stream() -> None:
+    assert render.cleaner(FakeTTY())(EVIL) == EVIL_SHOWN
+    assert render.cleaner(io.StringIO())(EVIL) == EVIL  # a pipe or file: exact text
+    closed = open(os.devnull, "w")  # noqa: SIM115 - closed at once, on purpose
+    closed.close()
+    assert not render.is_terminal(closed)  # isatty() on a closed file raises
+
+
+def test_json_text_is_exact_json_without_raw_controls() -> None:
+    document = generate_result(EVIL)
+    text = render.json_text(document)
+    assert json.loads(text) == document
+    assert raw_controls(text) == []
+    assert "中" in text  # non-ASCII stays readable
+
+
+def test_streamed_answer_is_escaped_on_a_terminal_and_exact_in_a_pipe(
+        fake: Callable[[Responder], Path]) -> None:
+    sock = fake(answers(EVIL_TOKENS))
+    code, shown = run_on_pty(sock, "ask", "Q?")
+    assert code == 0, shown
+    assert EVIL_SHOWN in shown and raw_controls(shown) == []
+    piped = run_qvlctl(sock, "ask", "Q?")
+    assert piped.returncode == 0
+    assert piped.stdout == EVIL.encode() + b"\n"  # scripts get the real answer
+
+
+def test_each_stream_decides_for_itself(fake: Callable[[Responder], Path],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    sock = fake(answers(EVIL_TOKENS, others={"status": {"state": "re\x1bady"}}))
+    stdout, stderr = FakeTTY(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert cli.main(["--socket", str(sock), "ask", "Q?"]) == 0
+    assert stdout.getvalue() == EVIL_SHOWN + "\n"
+    assert "TTFT" in stderr.getvalue()
+    stdout.truncate(0)
+    stdout.seek(0)
+    assert cli.main(["--socket", str(sock), "status"]) == 0
+    assert stdout.getvalue() == "state: re\\x1bady\n"
+
+
+def test_json_answer_on_a_terminal_is_exact_json(fake: Callable[[Responder], Path]) -> None:
+    sock = fake(answers(EVIL_TOKENS))
+    code, shown = run_on_pty(sock, "ask", "--json", "Q?")
+    assert code == 0, shown
+    assert json.loads(shown) == generate_result(EVIL)
+    assert raw_controls(shown) == []
+    piped = run_qvlctl(sock, "ask", "--json", "Q?")
+    assert json.loads(piped.stdout) == generate_result(EVIL)
+
+
+EVIL_RESULTS: dict[str, tuple[list[str], Any]] = {
+    "status": (["status"], {"state": "ready", "model": {"name": "ti\x1b]52;c;ZXZpbA==\x07ny"}}),
+    "config": (["config"], {"model": {"path": "/m\x1b[2J"}, "list": ["a\x9bb"]}),
+    "sessions": (["sessions"], {"sessions": [{"id": "s\x1b[1A", "uid": 0, "turns": 1}]}),
+    "health": (["health"], {"state": "ready\x1b[2J", "ready": True}),
+    "metrics": (["metrics"], {"text": "qvld_ready{model=\"\x1b]0;x\x07\"} 1\n"}),
+    "reload": (["reload"], {"reloaded": True, "model": "m\x1bc", "restart_required": ["k\x07"]}),
+    "preflight": (["preflight"], {"ok": True, "tuning": [
+        {"action": "a", "result": "applied", "detail": "d\x1b[0m"}], "checks": [
+        {"id": "cpu", "status": "warn", "found": "f\x9b", "remedy": "r\x1b"}]}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EVIL_RESULTS))
+def test_daemon_strings_are_escaped_on_a_terminal(name: str,
+                                                  fake: Callable[[Responder], Path]) -> None:
+    args, result = EVIL_RESULTS[name]
+    sock = fake(answers([], others={args[0]: result}))
+    code, shown = run_on_pty(sock, *args)
+    assert code == 0, shown
+    assert raw_controls(shown) == [] and "\\x" in shown, shown
+
+
+def test_daemon_error_messages_are_escaped_on_a_terminal(
+        fake: Callable[[Responder], Path]) -> None:
+    def refuse(request: dict[str, Any]) -> list[bytes]:
+        return [packed({"id": request["id"], "ok": False, "error": {
+            "code": "bad_request", "message": "no\x1b[2Jpe", "retryable": False}})]
+
+    sock = fake(refuse)
+    code, shown = run_on_pty(sock, "status")
+    assert code == 4  # a well-formed refusal stays a refusal
+    assert shown == "qvlctl: bad_request: no\\x1b[2Jpe\n"
+    assert run_qvlctl(sock, "status").stderr == b"qvlctl: bad_request: no\x1b[2Jpe\n"
+
+
+def test_chat_escapes_answers_on_a_terminal(fake: Callable[[Responder], Path]) -> None:
+    sock = fake(answers(EVIL_TOKENS))
+    code, shown = run_on_pty(sock, "chat", stdin=b"Hello\n/quit\n")
+    assert code == 0, shown
+    assert f"qvl> {EVIL_SHOWN}\n" in shown and raw_controls(shown) == []
+
+
+def test_chat_streams_pick_their_own_rendering(fake: Callable[[Responder], Path]) -> None:
+    sock = fake(answers(EVIL_TOKENS))
+    out: io.StringIO = FakeTTY()
+    with Client(sock, timeout=10) as client:
+        code = Chat(client, {}, [], None, out=out, err=io.StringIO()).loop(io.StringIO("Hi\n"))
+    assert code == 0
+    assert out.getvalue() == f"qvl> {EVIL_SHOWN}\n"
+    out, err = io.StringIO(), FakeTTY()  # only stderr is a terminal: the answer stays exact
+    with Client(sock, timeout=10) as client:
+        Chat(client, {}, [], None, out=out, err=err).loop(io.StringIO("Hi\n"))
+    assert out.getvalue() == f"qvl> {EVIL}\n" and "TTFT" in err.getvalue()
+
+
+# -- 2. a socket this user may not open ------------------------------------------------------
+
+
+def run_forked_as_nobody(argv: list[str]) -> tuple[int, str]:
+    """``cli.main(argv)`` in a child that dropped to uid/gid 65534: its code and stderr.
+
+    Forked rather than spawned: the checkout and its interpreter are private to root, and
+    every module the child needs is already imported. The kernel's own permission check
+    on connect() is what the child meets.
+    """
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 99
+        try:
+            os.close(reader)
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+            code = cli.main(argv)
+            os.write(writer, sys.stderr.getvalue().encode())
+        except BaseException as exc:
+            os.write(writer, f"child failed: {exc!r}".encode())
+        finally:
+            os._exit(code)
+    os.close(writer)
+    chunks = []
+    while chunk := os.read(reader, 65536):
+        chunks.append(chunk)
+    os.close(reader)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode()
+
+
+def listening_socket(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen(1)
+    return sock
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as another uid")
+@pytest.mark.parametrize("layout", ["group-socket", "owner-only-socket", "private-directory"])
+def test_a_socket_the_user_may_not_open_is_forbidden_with_a_hint(layout: str,
+                                                                 shared_dir: Path) -> None:
+    import grp
+
+    group = grp.getgrgid(1).gr_name  # a group nobody is not in
+    directory = shared_dir / "run"
+    directory.mkdir()
+    path = directory / "qvld.sock"
+    server = listening_socket(path)
+    try:
+        if layout == "group-socket":
+            os.chown(path, 0, 1)
+            path.chmod(0o660)
+        elif layout == "owner-only-socket":
+            path.chmod(0o600)
+        else:  # the socket is open to all, its directory is not: /run/qvld as packaged
+            path.chmod(0o666)
+            os.chown(directory, 0, 1)
+            directory.chmod(0o750)
+        code, err = run_forked_as_nobody(["--socket", str(path), "health"])
+    finally:
+        server.close()
+    assert code == 7, err
+    assert err.startswith(f"qvlctl: permission denied on {path}: ") and err.count("\n") == 1
+    if layout == "owner-only-socket":
+        assert "mode 0600 lets only its owner connect" in err
+    else:
+        assert f"join the group that owns it (e.g. `sudo usermod -aG {group} $USER`, " \
+               f"then log in again)" in err
+    assert "connection lost" not in err
+
+
+# -- 3. an answer cut short by the daemon -------------------------------------------------
+
+
+def test_an_answer_cut_short_exits_5_and_says_so(fake: Callable[[Responder], Path]) -> None:
+    sock = fake(answers(["partial"], finish="cancelled"))
+    out = run_qvlctl(sock, "ask", "Q?")
+    assert out.returncode == 5
+    assert out.stdout == b"partial\n"
+    err = out.stderr.decode()
+    assert "finish cancelled" in err and "qvlctl: the answer was cut short" in err
+    assert "Traceback" not in err
+
+
+def test_a_json_answer_cut_short_is_printed_then_exits_5(
+        fake: Callable[[Responder], Path]) -> None:
+    sock = fake(answers(["partial"], finish="cancelled"))
+    out = run_qvlctl(sock, "ask", "--json", "Q?")
+    assert out.returncode == 5
+    assert json.loads(out.stdout) == generate_result("partial", "cancelled")
+    assert out.stdout.count(b"\n") == 1  # still exactly one JSON object
+    assert b"cut short" in out.stderr
+
+
+def test_a_complete_answer_still_exits_0(fake: Callable[[Responder], Path]) -> None:
+    for finish in ("stop", "length"):
+        sock = fake(answers(["whole"], finish=finish))
+        assert run_qvlctl(sock, "ask", "Q?").returncode == 0
+        assert run_qvlctl(sock, "ask", "--json", "Q?").returncode == 0
+
+
+def test_chat_reports_an_answer_cut_short_and_leaves_with_5(
+        fake: Callable[[Responder], Path]) -> None:
+    sock = fake(answers(["partial"], finish="cancelled"))
+    out = run_qvlctl(sock, "chat", stdin=b"Hello\nAnd then?\n")
+    assert out.returncode == 5
+    assert out.stdout.decode().count("qvl> ") == 1  # the second turn was not attempted
+    assert b"cut short" in out.stderr
+
+
+def test_the_users_own_ctrl_c_still_exits_130_quietly(
+        fake: Callable[[Responder], Path]) -> None:
+    # The daemon streams one token and never finishes: the user gives up.
+    sock = fake(lambda request: [packed(protocol.token_event(request["id"], "waiting", [1]))])
+    proc = subprocess.Popen(qvlctl_argv(sock, "ask", "Q?"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    assert ready and os.read(proc.stdout.fileno(), 100) == b"waiting"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 130
+    assert proc.stderr.read() == b""  # no "cut short", no traceback
+
+
+# -- 4. an empty socket path ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["--socket", ""], ["--socket="]])
+def test_an_explicitly_empty_socket_is_a_usage_error(argv: list[str]) -> None:
+    out = subprocess.run([sys.executable, "-m", "qvlctl.cli", *argv, "health"],
+                         capture_output=True, timeout=30, check=False)
+    assert out.returncode == 2
+    assert b"argument --socket: an empty path names no socket" in out.stderr
+
+
+def test_an_empty_qvld_socket_means_unset(monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    monkeypatch.setenv("QVLD_SOCKET", "")
+    assert cli.build_parser().parse_args(["health"]).socket == DEFAULT_SOCKET
+    assert Client().path == DEFAULT_SOCKET
+    monkeypatch.setenv("QVLD_SOCKET", str(tmp_path / "s.sock"))
+    assert cli.build_parser().parse_args(["health"]).socket == str(tmp_path / "s.sock")
+    with pytest.raises(ValueError, match="empty"):
+        Client("")
+
+
+# -- 5. malformed replies ----------------------------------------------------------------------
+
+
+def reply(**fields: Any) -> Callable[[int], bytes]:
+    return lambda rid: packed({"id": rid, **fields})
+
+
+GOOD_RESULT = generate_result("fine")
+MALFORMED: dict[str, tuple[list[str], Callable[[int], bytes], str]] = {
+    "not msgpack": (["health"], lambda rid: frame(b"\xc1"), "not valid msgpack"),
+    "cut inside a value": (["health"], lambda rid: frame(b"\x82\xa2id"), "ends inside"),
+    "two values": (["health"], lambda rid: frame(msgpack.packb({}) * 2), "more than one"),
+    "bad utf-8": (["health"], lambda rid: frame(b"\x81\xa2id\xa2\xff\xfe"), "UTF-8"),
+    "too large": (["health"], lambda rid: protocol.HEADER.pack(2**31), "exceeds the limit"),
+    "not a map": (["health"], lambda rid: packed([rid, True]), "a frame holds list"),
+    "no id": (["status"], lambda rid: packed({"ok": True, "result": {}}), "no 'id'"),
+    "id of the wrong type": (["status"], lambda rid: packed({"id": str(rid), "ok": True}),
+                             "id is str"),
+    "no ok": (["status"], reply(result={}), "has no 'ok'"),
+    "no result": (["status"], reply(ok=True), "no 'result'"),
+    "status result 5": (["status"], reply(ok=True, result=5),
+                        "the status result is int, expected a map"),
+    "health ready a string": (["health"], reply(ok=True, result={"state": "x",
+                                                                 "ready": "yes"}),
+                              "ready is str"),
+    "error not a map": (["status"], reply(ok=False, error="boom"), "error is str"),
+    "error code not a string": (["status"], reply(ok=False, error={"code": 5, "message": "m"}),
+                                "code is int"),
+    "error without a code": (["status"], reply(ok=False, error={"message": "m"}),
+                             "has no 'code'"),
+    "sessions not a list": (["sessions"], reply(ok=True, result={"sessions": "x"}),
+                            "sessions is str"),
+    "session not a map": (["sessions"], reply(ok=True, result={"sessions": [3]}),
+                          "a session is int"),
+    "metrics text an int": (["metrics"], reply(ok=True, result={"text": 5}), "text is int"),
+    "preflight check not a map": (["preflight"], reply(ok=True, result={
+        "ok": True, "checks": [5], "tuning": []}), "a check is int"),
+    "reload without reloaded": (["reload"], reply(ok=True, result={}), "no 'reloaded'"),
+    "generate without text": (["ask", "Q?"], reply(ok=True, result={
+        k: v for k, v in GOOD_RESULT.items() if k != "text"}), "no 'text'"),
+    "token text an int": (["ask", "Q?"], reply(event="token", text=5, token_ids=[1]),
+                          "text is int"),
+    "usage not numbers": (["ask", "--json", "Q?"], reply(ok=True, result={
+        **GOOD_RESULT, "usage": {"prompt_tokens": "many"}}), "usage.prompt_tokens is str"),
+    "token_ids not ints": (["ask", "--json", "Q?"], reply(ok=True, result={
+        **GOOD_RESULT, "token_ids": ["a"]}), "other than integers"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_a_malformed_reply_is_one_line_and_exit_1(kind: str,
+                                                  fake: Callable[[Responder], Path]) -> None:
+    args, make, detail = MALFORMED[kind]
+    sock = fake(lambda request: [make(request["id"])])
+    out = run_qvlctl(sock, *args, timeout=30)
+    err = out.stderr.decode()
+    assert out.returncode == 1, err
+    assert "Traceback" not in err
+    assert err.startswith("qvlctl: the daemon sent a malformed reply: ") and \
+        err.count("\n") == 1, err
+    assert detail in err
+
+
+# -- the real daemon's replies pass every check above ---------------------------------------
+
+
+def test_the_real_daemons_replies_are_well_formed(daemon: Daemon) -> None:
+    for args in (["health"], ["status"], ["config"], ["sessions"], ["metrics", "--summary"],
+                 ["ask", "--max-tokens", "4", "Hi"], ["ask", "--json", "--max-tokens", "4", "Hi"],
+                 ["reload"]):
+        out = daemon.qvlctl(*args)
+        assert out.returncode == 0, (args, out.stderr)
+    preflight = daemon.qvlctl("preflight")  # exit 1 when a check fails on this machine
+    assert preflight.returncode in (0, 1) and b"malformed" not in preflight.stderr
+    code, shown = run_on_pty(daemon.socket, "ask", "--max-tokens", "8", "Describe.")
+    assert code == 0 and "TTFT" in shown and raw_controls(shown) == [], shown
