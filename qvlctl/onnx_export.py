@@ -277,7 +277,11 @@ def quantize_int8(directory: Path) -> None:
     """Replace each graph by onnxruntime's dynamic int8 quantisation of its MatMuls.
 
     Signed weights per output channel (the layout that decodes fastest in OpenVINO too);
-    the embedding tables (Gather) stay fp32: they are read one row at a time.
+    the embedding tables (Gather) stay fp32: they are read one row at a time. Weights use
+    7 of their 8 bits (``reduce_range``): on CPUs without VNNI (AVX2 only), ORT multiplies
+    u8 activations by s8 weights with a saturating 16-bit pairwise add, and full-range
+    weights overflow it (first-token logits at cosine 0.97 against fp32 on the tiny model
+    here, 0.99+ with 7 bits); a model is exported once and served anywhere.
     """
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -286,7 +290,7 @@ def quantize_int8(directory: Path) -> None:
         out = path.with_name(path.stem + ".int8.onnx")
         large = (path.with_name(path.name + ".data")).exists()
         quantize_dynamic(path, out, weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul", "Gemm"],
+                         reduce_range=True, op_types_to_quantize=["MatMul", "Gemm"],
                          use_external_data_format=large)
         for stale in (path, path.with_name(path.name + ".data")):
             stale.unlink(missing_ok=True)
