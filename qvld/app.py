@@ -19,7 +19,6 @@ import signal
 import socket
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,6 +32,7 @@ from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
 from qvld.metrics import Exporter, Metrics, op_label
 from qvld.preflight import report, run_checks
+from qvld.prepare import PrepareStage
 from qvld.scheduler import Scheduler
 from qvld.server import AccessPolicy, Server, SocketInUse
 from qvld.systemd import Notifier, listen_fds
@@ -85,6 +85,18 @@ def openvino_version() -> str:
     return str(_openvino_version).split("-")[0]
 
 
+def _model_fingerprint(path: Path | None) -> tuple[tuple[str, int, int], ...]:
+    """Name, size and modification time of each file of a model directory."""
+    if path is None or not path.is_dir():
+        return ()
+    files = []
+    for entry in sorted(path.iterdir()):
+        with contextlib.suppress(OSError):
+            info = entry.stat()
+            files.append((entry.name, info.st_size, info.st_mtime_ns))
+    return tuple(files)
+
+
 def _changed(old: Config, new: Config, key: str) -> bool:
     section, name = key.split(".")
     return bool(getattr(getattr(old, section), name) != getattr(getattr(new, section), name))
@@ -108,6 +120,8 @@ class App:
                           sessions=lambda: len(self.state.engine.sessions)
                           if self.state.engine is not None else 0)
         self.exporter: Exporter | None = None
+        self.prepare_stage: PrepareStage | None = None
+        self._model_files = _model_fingerprint(config.model.path)
         self.last_errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=10)
         self.preflight: dict[str, Any] = {"ok": True, "checks": [], "tuning": []}
         self.pinned_cpus: list[int] = []
@@ -152,38 +166,52 @@ class App:
                         check.found, check.remedy)
         for action in actions:
             log.info("tuning %s: %s: %s", action.action, action.result, action.detail)
-        if cpus and self.config.engine.threads == "auto":
-            engine = self.config.engine.model_copy(update={"threads": len(cpus)})
-            self.config = self.config.model_copy(update={"engine": engine})
-            self.state.config = self.config
         self.pinned_cpus = cpus
+        self.config = self._threads_follow_pins(self.config)
+        self.state.config = self.config
 
-    def _on_reply(self, op: object, outcome: str, seconds: float) -> None:
+    def _threads_follow_pins(self, config: Config) -> Config:
+        """engine.threads auto: as many threads as the daemon is pinned to."""
+        if not self.pinned_cpus or config.engine.threads != "auto":
+            return config
+        engine = config.engine.model_copy(update={"threads": len(self.pinned_cpus)})
+        return config.model_copy(update={"engine": engine})
+
+    def _on_reply(self, op: object, outcome: str, seconds: float, uid: int) -> None:
         self.metrics.observe_request(op, outcome, seconds)
         if outcome not in ("ok", "cancelled"):
             self.last_errors.append({"at": round(time.time(), 3), "op": op_label(op),
-                                     "code": outcome})
+                                     "code": outcome, "uid": uid})
 
-    def status_details(self) -> dict[str, Any]:
-        """What the daemon is doing right now, for the status op."""
+    def status_details(self, viewer: int | None = None) -> dict[str, Any]:
+        """What the daemon is doing right now, for the status op: everything for an
+        admin (``viewer`` None), else only the generations and errors of uid ``viewer``
+        (errors recorded without a uid are shown to admins only)."""
         now = time.monotonic()
         jobs = [{"uid": job.uid, "stage": "running" if job.started else "queued",
-                 "age_s": round(now - job.enqueued, 3)} for job in self.scheduler.jobs()]
+                 "age_s": round(now - job.enqueued, 3)} for job in self.scheduler.jobs()
+                if viewer in (None, job.uid)]
+        errors = [e for e in self.last_errors if viewer is None or e.get("uid") == viewer]
         details: dict[str, Any] = {
             "generations": jobs, "queue": self.scheduler.stats(),
-            "last_errors": list(self.last_errors), "pinned_cpus": self.pinned_cpus,
+            "last_errors": errors, "pinned_cpus": self.pinned_cpus,
             "threads": self.config.engine.threads,
             "preflight": {c["id"]: c["status"] for c in self.preflight["checks"]}}
         engine = self.state.engine
         if engine is not None:
             images = engine.images.stats()
             lookups = images["hits"] + images["misses"]
+            sessions = engine.sessions.stats()
             details["caches"] = {
                 "image": {**images, "hit_ratio": round(images["hits"] / lookups, 3)
                           if lookups else None},
                 "kv_cached_tokens": engine.pool.cached_tokens(),
                 "kv_budget_tokens": engine.pool.budget_tokens,
-                "sessions": len(engine.sessions),
+                "sessions": sessions["entries"],
+                # history ids and the raw image bytes kept for rebuilding histories
+                "sessions_bytes": sessions["bytes"],
+                "session_image_bytes": sessions["image_bytes"],
+                "session_image_budget_bytes": sessions["image_budget_bytes"],
             }
         return details
 
@@ -194,25 +222,41 @@ class App:
             await asyncio.sleep(10)
 
     async def reload(self) -> dict[str, Any]:
-        """Reload config and model beside the old ones; swap only if both are good."""
+        """Reload config and model beside the old ones; swap only if both are good.
+
+        The model is loaded again only when its settings or files changed: a reload that
+        only changes limits keeps the engine, and with it every session and cache. A
+        reload that ends while the daemon drains changes nothing (draining wins).
+        """
         if self._reload_lock.locked():
             raise Unavailable("a reload is already running")
         async with self._reload_lock:
+            if self.state.state == "draining":
+                raise Unavailable("the daemon is draining")
             previous = self.state.state
             self.state.state = "reloading"
             now_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
             self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={now_usec}")
             log.info("reloading configuration and model")
+            old_engine = self.state.engine
             try:
-                config = load_config(self.config_path, self.overrides)
-                engine = await asyncio.get_running_loop().run_in_executor(
-                    None, self._load_engine, config)
+                config = self._threads_follow_pins(load_config(self.config_path,
+                                                               self.overrides))
+                if old_engine is not None and self._same_model(config):
+                    engine = old_engine
+                else:
+                    engine = await asyncio.get_running_loop().run_in_executor(
+                        None, self._load_engine, config)
             except Exception as exc:
                 reason = "; ".join(getattr(exc, "errors", [])) or str(exc)
                 log.error("reload failed, still serving the previous model: %s", reason)
-                self.state.state = previous
-                self.notifier.ready("reload failed; serving the previous model")
+                if self.state.state == "reloading":
+                    self.state.state = previous
+                    self.notifier.ready("reload failed; serving the previous model")
                 return {"reloaded": False, "error": reason}
+            if self.state.state == "draining":
+                log.info("reload finished while draining: not applied")
+                return {"reloaded": False, "error": "the daemon is draining"}
             restart = [key for key in RESTART_KEYS if _changed(self.config, config, key)]
             for key in restart:
                 log.warning("%s changed: it takes effect only after a restart", key)
@@ -221,17 +265,30 @@ class App:
             self.config = config.model_copy(update={
                 "server": config.server.model_copy(update=keep)})
             self.state.config = self.config
+            if old_engine is not None and engine is not old_engine:
+                engine.sessions.inherit(old_engine.sessions)  # their follow-ups say reset
             self.state.engine = engine  # running jobs finish on the engine they started on
+            self._model_files = _model_fingerprint(config.model.path)
             self.scheduler.queue_max = config.server.queue_max
             self.scheduler.kv_budget_bytes = config.engine.kv_cache_mb << 20 or None
+            if self.prepare_stage is not None:
+                self.prepare_stage.queue_max = config.server.queue_max
             if self.server is not None:
-                self.server.config = self.config.server
-                self.server.policy = AccessPolicy(self.config.server)
+                self.server.reconfigure(self.config.server)
             setup_logging(self.config)
             self.state.state = "ready"
             self.notifier.ready(f"ready: {engine.spec.name}")
-            log.info("reload done: serving %s", engine.spec.path)
-            return {"reloaded": True, "model": engine.spec.name, "restart_required": restart}
+            reloaded_model = engine is not old_engine
+            log.info("reload done: serving %s (%s)", engine.spec.path,
+                     "model reloaded" if reloaded_model else "model unchanged, kept")
+            return {"reloaded": True, "model": engine.spec.name,
+                    "model_reloaded": reloaded_model, "restart_required": restart}
+
+    def _same_model(self, config: Config) -> bool:
+        """Whether ``config`` would load the engine already serving: the same model and
+        engine settings, and the model's files unchanged on disk."""
+        return (config.model == self.config.model and config.engine == self.config.engine
+                and _model_fingerprint(config.model.path) == self._model_files)
 
     # -- watchdog -------------------------------------------------------------------
 
@@ -264,7 +321,8 @@ class App:
             # tests can watch systemd's watchdog restart it.
             loop.add_signal_handler(signal.SIGUSR2, time.sleep, 10**6)
         background: list[asyncio.Task[None]] = []
-        prepare = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qvld-prepare")
+        prepare = PrepareStage(workers=2, queue_max=self.config.server.queue_max)
+        self.prepare_stage = prepare
         policy = AccessPolicy(self.config.server)
         handlers = Handlers(self.state, self.scheduler, prepare,
                             in_flight=lambda: self.scheduler.running + self.scheduler.waiting,
@@ -276,8 +334,9 @@ class App:
         self.server = Server(self.config.server, handlers, policy, on_reply=self._on_reply)
         try:
             if self.config.metrics.listen:
+                self.exporter = Exporter(self.registry, self.config.metrics.listen)
                 try:
-                    self.exporter = Exporter(self.registry, self.config.metrics.listen)
+                    await self.exporter.start()
                 except OSError as exc:
                     log.error("cannot serve metrics on %s: %s", self.config.metrics.listen,
                               exc)
@@ -316,7 +375,7 @@ class App:
             for task in background:
                 task.cancel()
             await self._shutdown()
-            prepare.shutdown(wait=False, cancel_futures=True)
+            prepare.close()
             self.notifier.close()
 
     async def _start_engine(self, loop: asyncio.AbstractEventLoop) -> int | None:
@@ -379,7 +438,7 @@ class App:
         """Reverse of start: no new work, workers stop, connections close."""
         self.scheduler.close()
         if self.exporter is not None:
-            self.exporter.close()
+            await self.exporter.close()
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.sleep(0.05)  # let the last replies reach their sockets

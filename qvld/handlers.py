@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +16,18 @@ import openvino
 from qvld import __version__, protocol
 from qvld.config import Config
 from qvld.engine import Engine, GenerateRequest
-from qvld.errors import BadRequest, Forbidden, Unavailable, UnsupportedVersion
+from qvld.engine.engine import PrepareStopped
+from qvld.errors import BadRequest, Forbidden, Timeout, Unavailable, UnsupportedVersion
 from qvld.metrics import Metrics
-from qvld.scheduler import Job, Scheduler
+from qvld.prepare import PrepareCancelled, PrepareStage
+from qvld.scheduler import Job, Scheduler, cancelled_result
 from qvld.server import Peer, RequestContext
+
+# Shown to admins only: who may connect or administer, and where things live.
+ADMIN_ONLY_CONFIG = (("server", "allow_uids"), ("server", "allow_groups"),
+                     ("server", "admin_groups"), ("server", "socket"),
+                     ("model", "path"), ("model", "cache_dir"))
+HIDDEN = "<hidden>"
 
 GENERATE_PARAMS = {
     "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
@@ -65,12 +73,28 @@ def _int(params: dict[str, Any], key: str) -> int | None:
 
 
 def _number(params: dict[str, Any], key: str) -> float | None:
+    """A finite number: NaN fails every comparison, so a NaN deadline would never pass
+    and a NaN sampling parameter would slip through range checks."""
     value = params.get(key)
     if value is None:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise BadRequest(f"{key} must be a number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise BadRequest(f"{key} must be a finite number")
+    return number
+
+
+def parse_deadline(params: dict[str, Any]) -> float | None:
+    """``deadline_s``: seconds, > 0 (capped by server.request_timeout_s by the caller)."""
+    deadline_s = _number(params, "deadline_s")
+    if deadline_s is not None and deadline_s <= 0:
+        raise BadRequest("deadline_s must be > 0")
+    return deadline_s
 
 
 def _bool(params: dict[str, Any], key: str) -> bool:
@@ -88,8 +112,10 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
         close = difflib.get_close_matches(name, sorted(GENERATE_PARAMS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise BadRequest(f"unknown generate param {name!r}{hint}")
-    stop = params.get("stop") or []
-    if isinstance(stop, str):
+    stop = params.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise BadRequest("stop must be a list of strings")
@@ -102,6 +128,7 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
                                 or not protocol.SESSION_ID.fullmatch(session)):
         raise BadRequest("session must be 1-128 characters of [A-Za-z0-9._-]")
     seed = _int(params, "seed")
+    parse_deadline(params)
     request = GenerateRequest(
         messages=params.get("messages"),  # type: ignore[arg-type]  # the engine checks it
         max_tokens=_int(params, "max_tokens"),
@@ -123,19 +150,19 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
 
 class Handlers:
     def __init__(self, state: DaemonState, scheduler: Scheduler,
-                 prepare_executor: ThreadPoolExecutor,
+                 prepare_stage: PrepareStage,
                  in_flight: Callable[[], int] | None = None,
                  is_admin: Callable[[Peer], bool] | None = None,
                  reload: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  metrics: Metrics | None = None,
-                 extra_status: Callable[[], dict[str, Any]] | None = None,
+                 extra_status: Callable[[int | None], dict[str, Any]] | None = None,
                  preflight: Callable[[], dict[str, Any]] | None = None) -> None:
         self._preflight = preflight
         self.state = state
         self.metrics = metrics
         self.extra_status = extra_status
         self.scheduler = scheduler
-        self.prepare_executor = prepare_executor
+        self.prepare_stage = prepare_stage
         self.in_flight = in_flight
         self.is_admin = is_admin or (lambda peer: peer.uid == 0)
         self._reload = reload
@@ -200,12 +227,13 @@ class Handlers:
         }
         if self.in_flight is not None:
             result["requests_in_flight"] = self.in_flight()
-        if self.extra_status is not None:
-            result.update(self.extra_status())
+        admin = self.is_admin(ctx.peer)
+        if self.extra_status is not None:  # a non-admin sees only their own requests
+            result.update(self.extra_status(None if admin else ctx.peer.uid))
         if engine is not None:
             result["model"] = {
                 "name": engine.spec.name,
-                "path": str(engine.spec.path),
+                "path": str(engine.spec.path) if admin else HIDDEN,
                 "load_s": round(engine.load_s, 3),
                 "runtime": engine.models.runtime_properties,
                 "infer_requests": len(engine.pool.slots),
@@ -214,22 +242,40 @@ class Handlers:
         return result
 
     async def config(self, ctx: RequestContext) -> dict[str, Any]:
-        # No key holds a secret today; this is where masking goes when one does.
-        return self.state.config.model_dump(mode="json")
+        """The effective configuration; to a non-admin without who may connect or
+        administer, and where the model, its cache and the socket live."""
+        config: dict[str, Any] = self.state.config.model_dump(mode="json")
+        if not self.is_admin(ctx.peer):
+            for section, key in ADMIN_ONLY_CONFIG:
+                config[section][key] = HIDDEN
+        return config
 
     async def generate(self, ctx: RequestContext) -> dict[str, Any]:
         request, stream = parse_generate(ctx.request.params)
         request.uid = ctx.peer.uid
         limit = self.state.config.server.request_timeout_s
-        deadline_s = _number(ctx.request.params, "deadline_s")
-        if deadline_s is not None and deadline_s <= 0:
-            raise BadRequest("deadline_s must be > 0")
+        deadline_s = parse_deadline(ctx.request.params)
         timeout = min(deadline_s or limit, limit)
         job_deadline = time.monotonic() + timeout
         # A request that woke the daemon (socket activation) waits for the model.
         engine = await self.state.wait_engine(timeout)
-        loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(self.prepare_executor, engine.prepare, request)
+        def stop_preparing() -> bool:
+            return ctx.cancelled.is_set() or time.monotonic() >= job_deadline
+
+        ticket = self.prepare_stage.submit(
+            ctx.peer.uid, lambda: engine.prepare(request, stop_preparing), job_deadline)
+        ctx.on_cancel.append(lambda: self.prepare_stage.cancel(ticket))
+        if ctx.cancelled.is_set():
+            self.prepare_stage.cancel(ticket)
+        try:
+            prepared = await self.prepare_stage.result(ticket)
+        except (PrepareCancelled, PrepareStopped, Timeout) as exc:
+            if ctx.cancelled.is_set():
+                return cancelled_result().to_dict()  # the client left or cancelled it
+            if isinstance(exc, PrepareStopped):
+                raise Timeout("the deadline passed while the request's images were "
+                              f"decoded ({exc})") from None
+            raise
         rid = ctx.request.id
 
         def on_token(text: str, ids: list[int]) -> None:
@@ -268,7 +314,9 @@ class Handlers:
         return {"cancelled": True}
 
     async def sessions(self, ctx: RequestContext) -> dict[str, Any]:
-        """List your sessions (an admin may list everyone's with all: true), or close one."""
+        """List or close your sessions. Sessions are per uid, so a non-admin's answers
+        never depend on anyone else's. An admin may list everyone's (all: true) and close
+        another user's by naming its uid; that user is told on their next turn (reset)."""
         engine = self.state.require_engine()
         params = ctx.request.params
         action = params.get("action", "list")
@@ -282,7 +330,12 @@ class Handlers:
             sid = params.get("id")
             if not isinstance(sid, str):
                 raise BadRequest("sessions close needs params.id")
-            return {"closed": engine.sessions.close(sid, ctx.peer.uid, admin)}
+            owner = _int(params, "uid")
+            owner = ctx.peer.uid if owner is None else owner
+            if owner != ctx.peer.uid and not admin:
+                raise Forbidden("closing another user's session is an admin op")
+            return {"closed": engine.sessions.close(owner, sid,
+                                                    by_owner=owner == ctx.peer.uid)}
         raise BadRequest("sessions action must be 'list' or 'close'")
 
     async def preflight(self, ctx: RequestContext) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 A job is admitted when the number of waiting jobs is below ``queue_max`` and its KV
 cache fits the memory budget beside the jobs already admitted; otherwise ``busy``
-(retryable). Waiting jobs are taken round-robin between uids, so one user's burst
+(retryable). A job whose KV cache exceeds the whole budget is ``bad_request``: no retry
+can help it. Waiting jobs are taken round-robin between uids, so one user's burst
 cannot starve another's single request. A job whose deadline passes or which is
 cancelled while waiting never reaches the engine; one that is running stops within a
 decode step (the engine polls ``should_stop``).
@@ -11,8 +12,6 @@ decode step (the engine polls ``should_stop``).
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import logging
 import threading
 import time
@@ -21,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qvld.engine.types import GenerateResult, Timings, TokenCallback, Usage
-from qvld.errors import Busy, QvlError, Timeout, Unavailable
+from qvld.errors import BadRequest, Busy, QvlError, Timeout, Unavailable
+from qvld.fairqueue import FairQueue, settle_threadsafe
 
 log = logging.getLogger("qvld.scheduler")
 
@@ -60,8 +60,7 @@ class Scheduler:
         self.queue_max = queue_max
         self.kv_budget_bytes = kv_budget_bytes
         self._lock = threading.Condition()
-        self._waiting: collections.OrderedDict[int, collections.deque[Job]] = \
-            collections.OrderedDict()
+        self._waiting: FairQueue[Job] = FairQueue()
         self._running: set[Job] = set()
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"qvld-worker-{i}",
@@ -74,7 +73,7 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         with self._lock:
-            return sum(len(q) for q in self._waiting.values())
+            return len(self._waiting)
 
     @property
     def running(self) -> int:
@@ -83,7 +82,7 @@ class Scheduler:
 
     def jobs(self) -> list[Job]:
         with self._lock:
-            return [*self._running, *(j for q in self._waiting.values() for j in q)]
+            return [*self._running, *self._waiting]
 
     # -- admission ----------------------------------------------------------------------
 
@@ -96,17 +95,18 @@ class Scheduler:
                 raise Unavailable("the daemon is shutting down")
             if self.kv_budget_bytes is not None:
                 if job.kv_bytes > self.kv_budget_bytes:
-                    raise Busy(f"this request needs {job.kv_bytes >> 20} MiB of KV cache; "
-                               f"the budget is {self.kv_budget_bytes >> 20} MiB")
-                held = sum(j.kv_bytes for j in self._running) + sum(
-                    j.kv_bytes for q in self._waiting.values() for j in q)
-                if held + job.kv_bytes > self.kv_budget_bytes:
+                    # It could never run, however long the client waited: not retryable.
+                    raise BadRequest(
+                        f"this request needs {job.kv_bytes / 2**20:.1f} MiB of KV cache "
+                        "(its prompt, session history and max_tokens), more than the whole "
+                        f"budget of {self.kv_budget_bytes / 2**20:.1f} MiB "
+                        "(engine.kv_cache_mb); ask for fewer tokens or start a new session")
+                if self._reserved_bytes() + job.kv_bytes > self.kv_budget_bytes:
                     raise Busy("the KV-cache memory budget is taken; retry shortly")
             idle = self.workers - len(self._running)
-            waiting = sum(len(q) for q in self._waiting.values())
-            if waiting - idle >= self.queue_max:
+            if len(self._waiting) - idle >= self.queue_max:
                 raise Busy(f"the queue is full ({self.queue_max} waiting); retry shortly")
-            self._waiting.setdefault(job.uid, collections.deque()).append(job)
+            self._waiting.push(job.uid, job)
             self._lock.notify()
         remaining = max(0.0, job.deadline - time.monotonic())
         try:
@@ -119,13 +119,7 @@ class Scheduler:
     def _unqueue(self, job: Job) -> bool:
         """Take a waiting job out of the queue; False if a worker has it already."""
         with self._lock:
-            queue = self._waiting.get(job.uid)
-            if queue is None or job not in queue:
-                return False
-            queue.remove(job)
-            if not queue:
-                del self._waiting[job.uid]
-            return True
+            return self._waiting.remove(job.uid, job)
 
     def cancel(self, job: Job) -> None:
         """Cancel a job: a waiting one ends now, a running one at its next step."""
@@ -136,12 +130,8 @@ class Scheduler:
     def _take(self) -> Job | None:
         """Next job, round-robin between uids (caller holds the lock)."""
         while not self._closed:
-            if self._waiting:
-                uid, queue = next(iter(self._waiting.items()))
-                job = queue.popleft()
-                del self._waiting[uid]
-                if queue:  # the uid goes to the back of the rotation
-                    self._waiting[uid] = queue
+            job = self._waiting.pop()
+            if job is not None:
                 return job
             self._lock.wait()
         return None
@@ -149,18 +139,8 @@ class Scheduler:
     # -- workers ----------------------------------------------------------------------
 
     def _finish(self, job: Job, result: GenerateResult | None, error: BaseException | None) -> None:
-        def settle() -> None:
-            assert job.future is not None
-            if job.future.done():
-                return
-            if error is not None:
-                job.future.set_exception(error)
-            else:
-                job.future.set_result(result)  # type: ignore[arg-type]
-
-        assert job.loop is not None
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-            job.loop.call_soon_threadsafe(settle)
+        assert job.loop is not None and job.future is not None
+        settle_threadsafe(job.loop, job.future, result, error)
 
     def _work(self) -> None:
         while True:
@@ -214,15 +194,16 @@ class Scheduler:
         """Stop admitting; waiting jobs end cancelled; workers exit after their job."""
         with self._lock:
             self._closed = True
-            waiting = [j for q in self._waiting.values() for j in q]
-            self._waiting.clear()
+            waiting = self._waiting.clear()
             self._lock.notify_all()
         for job in waiting:
             self._finish(job, cancelled_result(), None)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"running": len(self._running),
-                    "waiting": sum(len(q) for q in self._waiting.values()),
-                    "kv_reserved_bytes": sum(j.kv_bytes for j in self._running) + sum(
-                        j.kv_bytes for q in self._waiting.values() for j in q)}
+            return {"running": len(self._running), "waiting": len(self._waiting),
+                    "kv_reserved_bytes": self._reserved_bytes()}
+
+    def _reserved_bytes(self) -> int:
+        """KV bytes the admitted jobs may take (lock held)."""
+        return sum(j.kv_bytes for j in (*self._running, *self._waiting))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import NOBODY, Daemon, run_as
+from tests.conftest import NOBODY, TINY, Daemon, run_as
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as another uid")
 
@@ -59,5 +59,42 @@ def test_supplementary_group_membership_counts(shared_dir: Path) -> None:
     try:
         assert health_as(daemon.socket, NOBODY, [users])["ok"] is True
         assert health_as(daemon.socket, NOBODY)["error"]["code"] == "forbidden"
+    finally:
+        assert daemon.stop() == 0
+
+
+def as_nobody(daemon: Daemon, *calls: tuple[str, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Run ``calls`` (op, params) as uid NOBODY on one connection; the replies by id."""
+    replies = run_as(NOBODY, daemon.socket, [
+        {"id": n, "op": op, "params": params} for n, (op, params) in enumerate(calls, 1)],
+        finals=len(calls))
+    assert isinstance(replies, list)
+    return {reply["id"]: reply for _, reply in replies}
+
+
+def test_status_and_config_show_a_non_admin_only_their_own(shared_dir: Path) -> None:
+    daemon = start(shared_dir, f"server.allow_uids=[{NOBODY}]")
+    try:
+        with daemon.client() as client:  # root: an admin, and a failed request of its own
+            with pytest.raises(Exception, match="image"):
+                client.generate({"messages": [{"role": "user", "content": [
+                    {"type": "image", "image": b"not an image"}]}], "max_tokens": 2})
+            admin_status, admin_config = client.status(), client.config()
+        replies = as_nobody(daemon, ("status", {}), ("config", {}))
+        status, config = replies[1]["result"], replies[2]["result"]
+        # Root's failure, the model's path and who may connect are not a user's business.
+        assert any(e["code"] == "image_invalid" for e in admin_status["last_errors"])
+        assert status["last_errors"] == []
+        assert all(g["uid"] == NOBODY for g in status["generations"])
+        assert admin_status["model"]["path"] == str(TINY)
+        assert status["model"]["path"] == "<hidden>"
+        assert status["model"]["name"] == admin_status["model"]["name"]
+        for section, key in [("server", "allow_uids"), ("server", "allow_groups"),
+                             ("server", "admin_groups"), ("server", "socket"),
+                             ("model", "path"), ("model", "cache_dir")]:
+            assert config[section][key] == "<hidden>", key
+        assert admin_config["server"]["allow_uids"] == [NOBODY]
+        assert admin_config["model"]["path"] == str(TINY)
+        assert config["engine"] == admin_config["engine"]  # limits stay visible
     finally:
         assert daemon.stop() == 0

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from qvld.errors import Busy, Timeout
+from qvld.errors import BadRequest, Busy, Timeout
 from tests.conftest import NOBODY, TINY, Daemon, read_replies, run_as
 
 LONG = {"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True,
@@ -350,8 +350,10 @@ def test_memory_budget_refuses_what_it_cannot_hold(tmp_path: Path) -> None:
                                         "engine.max_new_tokens=4000")).start()
     try:
         with daemon.client() as client:
-            with pytest.raises(Busy, match="KV cache"):
+            # More than the whole budget: never retryable, so not busy.
+            with pytest.raises(BadRequest, match="KV cache") as info:
                 client.generate({**LONG, "max_tokens": 1000})
+            assert not info.value.retryable
             assert client.generate({**LONG, "max_tokens": 300})["finish_reason"] == "length"
     finally:
         assert daemon.stop() == 0

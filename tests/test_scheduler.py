@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from qvld.engine.types import GenerateResult, Timings, Usage
-from qvld.errors import Busy, Timeout, Unavailable
+from qvld.errors import BadRequest, Busy, Timeout, Unavailable
 from qvld.scheduler import Job, Scheduler
 
 
@@ -74,7 +74,7 @@ def test_queue_limit_and_memory_budget_answer_busy() -> None:
         with pytest.raises(Busy):  # one running, one waiting: queue_max reached
             await scheduler.submit(job(2, sleeper(0.01)))
         await asyncio.gather(running, waiting)
-        with pytest.raises(Busy, match="budget"):
+        with pytest.raises(BadRequest):  # more than the whole budget: never retryable
             await scheduler.submit(job(1, sleeper(0.01), kv=101))
         big = asyncio.ensure_future(scheduler.submit(job(1, sleeper(0.2), kv=80)))
         await asyncio.sleep(0.02)
@@ -82,6 +82,18 @@ def test_queue_limit_and_memory_budget_answer_busy() -> None:
             await scheduler.submit(job(1, sleeper(0.01), kv=30))
         await big
         assert (await scheduler.submit(job(1, sleeper(0.01), kv=30))).finish_reason == "length"
+        scheduler.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_larger_than_the_whole_kv_budget_is_refused_not_busy() -> None:
+    async def scenario() -> None:
+        scheduler = Scheduler(workers=1, queue_max=5, kv_budget_bytes=64 << 20)
+        with pytest.raises(BadRequest, match=r"needs 96\.0 MiB .*budget of 64\.0 MiB") as exc:
+            await scheduler.submit(job(1, sleeper(0.01), kv=96 << 20))
+        assert not exc.value.retryable and exc.value.to_wire()["retryable"] is False
+        assert scheduler.waiting == 0
         scheduler.close()
 
     asyncio.run(scenario())

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,30 +53,83 @@ def test_chat_keeps_one_session_and_closes_it(daemon: Daemon, tmp_path: Path) ->
         assert not [s for s in client.sessions() if s["id"].startswith("chat-")]
 
 
+def test_only_a_committed_turn_creates_a_session(daemon: Daemon) -> None:
+    hi = [{"role": "user", "content": "Hi"}]
+    with daemon.client() as client:
+        with pytest.raises(Exception, match="max_tokens"):  # refused by validation
+            client.generate({"messages": hi, "max_tokens": 0, "session": "refused"})
+        with pytest.raises(Exception, match="deadline"):  # timed out while generating
+            client.generate({"messages": hi, "max_tokens": 500, "ignore_eos": True,
+                             "deadline_s": 0.05, "session": "timed-out"})
+        ids = {s["id"] for s in client.sessions()}
+        assert not ids & {"refused", "timed-out"}
+        result = client.generate({"messages": hi, "max_tokens": 2, "session": "timed-out"})
+        assert result["session"] == {"id": "timed-out", "turns": 1, "reset": False}
+
+
+def test_a_lost_session_is_answered_afresh_and_says_so(daemon: Daemon) -> None:
+    hi = [{"role": "user", "content": "Hi"}]
+    with daemon.client() as client:
+        for n in range(9):  # one more than engine.sessions_per_user: lost-0 is evicted
+            client.generate({"messages": hi, "max_tokens": 2, "session": f"lost-{n}"})
+        result = client.generate({"messages": hi, "max_tokens": 2, "session": "lost-0"})
+        assert result["session"] == {"id": "lost-0", "turns": 1, "reset": True}
+        result = client.generate({"messages": hi, "max_tokens": 2, "session": "lost-0"})
+        assert result["session"] == {"id": "lost-0", "turns": 2, "reset": False}
+        caches = client.status()["caches"]
+        listed = client.sessions()
+        assert caches["sessions"] == len(listed) >= 8
+        assert caches["sessions_bytes"] == sum(s["bytes"] for s in listed) > 0
+        for n in range(9):
+            client.close_session(f"lost-{n}")
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as another uid")
-def test_another_uid_cannot_read_continue_or_close_a_session(shared_dir: Path) -> None:
+def test_sessions_are_per_user_and_invisible_to_others(shared_dir: Path) -> None:
     daemon = Daemon(shared_dir, args=["--set", "server.socket_mode=0666",
                                       "--set", f"server.allow_uids=[{NOBODY}]"]).start()
+    hi = [{"role": "user", "content": "Hi"}]
+
+    def as_nobody(*calls: tuple[str, dict[str, object]]) -> dict[int, dict[str, Any]]:
+        replies = run_as(NOBODY, daemon.socket, [
+            {"id": n, "op": op, "params": p} for n, (op, p) in enumerate(calls, 1)],
+            finals=len(calls))
+        assert isinstance(replies, list)
+        return {r["id"]: r for _, r in replies}
+
     try:
         with daemon.client() as client:
-            client.generate({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-                             "session": "roots"})
-            replies = run_as(NOBODY, daemon.socket, [
-                {"id": 1, "op": "generate", "params": {
-                    "messages": [{"role": "user", "content": "Hi"}], "session": "roots"}},
-                {"id": 2, "op": "sessions", "params": {"action": "list"}},
-                {"id": 3, "op": "sessions", "params": {"action": "close", "id": "roots"}},
-                {"id": 4, "op": "sessions", "params": {"action": "list", "all": True}},
-            ], finals=4)
-            assert isinstance(replies, list)
-            by_id = {r["id"]: r for _, r in replies}
-            assert by_id[1]["error"]["code"] == "forbidden"
-            assert by_id[2]["result"] == {"sessions": []}
-            assert by_id[3]["error"]["code"] == "forbidden"
-            assert by_id[4]["error"]["code"] == "forbidden"
-            # Still there, unchanged, for its owner.
-            mine = client.sessions()
-            assert [(s["id"], s["turns"]) for s in mine] == [("roots", 1)]
-            assert client.sessions(all_users=True)[0]["uid"] == 0  # root is an admin
+            client.generate({"messages": hi, "max_tokens": 2, "session": "roots"})
+            # (Requests on one connection run concurrently: the turn first, alone.)
+            by_id = as_nobody(
+                ("generate", {"messages": hi, "max_tokens": 2, "session": "roots"}))
+            by_id.update({n + 1: r for n, r in as_nobody(
+                ("sessions", {"action": "list"}),
+                ("sessions", {"action": "close", "id": "nobodys-other"}),
+                ("sessions", {"action": "close", "id": "roots", "uid": 0}),
+                ("sessions", {"action": "list", "all": True}),
+                ("generate", {"messages": hi, "max_tokens": 0, "session": "refused"}),
+            ).items()})
+            # The same id is Nobody's own session: no error tells it root has one.
+            assert by_id[1]["result"]["session"] == {"id": "roots", "turns": 1,
+                                                     "reset": False}
+            assert [(s["id"], s["uid"]) for s in by_id[2]["result"]["sessions"]] == [
+                ("roots", NOBODY)]
+            assert by_id[3]["result"] == {"closed": False}
+            assert by_id[4]["error"]["code"] == "forbidden"  # whether or not it exists
+            assert by_id[5]["error"]["code"] == "forbidden"
+            assert by_id[6]["error"]["code"] == "bad_request"
+            # Root's own session is untouched; an admin sees and may close everyone's.
+            assert [(s["id"], s["turns"]) for s in client.sessions()] == [("roots", 1)]
+            everyone = {(s["id"], s["uid"]) for s in client.sessions(all_users=True)}
+            assert everyone == {("roots", 0), ("roots", NOBODY)}
+            assert client.call("sessions", {"action": "close", "id": "roots",
+                                            "uid": NOBODY}) == {"closed": True}
+            assert [(s["id"], s["turns"]) for s in client.sessions()] == [("roots", 1)]
+            # Nobody learns on their next turn that their context is gone.
+            again = as_nobody(("generate", {"messages": hi, "max_tokens": 2,
+                                            "session": "roots"}))
+            assert again[1]["result"]["session"] == {"id": "roots", "turns": 1,
+                                                     "reset": True}
     finally:
         assert daemon.stop() == 0

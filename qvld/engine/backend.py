@@ -161,29 +161,42 @@ def common_prefix(a: list[Any], b: list[Any]) -> int:
 
 
 class SlotPool:
-    """Slots with their KV caches, shared as a prefix cache.
+    """Slots with their KV caches, kept as a prefix cache per owner.
 
-    ``acquire(keys)`` hands out the free slot whose history shares the longest prefix
-    with ``keys`` (the least recently used one when none does, so that recent caches
-    survive); retained KV caches beyond ``budget_tokens`` are evicted LRU. All slots are
-    created up front: no allocation per request.
+    ``acquire(keys, owner)`` hands out the free slot whose history shares the longest
+    prefix with ``keys`` among those ``owner`` filled (the least recently used one when
+    none does, so that recent caches survive); a slot last filled by another owner is
+    reset first, so its prefix counts as 0: whether a prefix was cached shows in a reply,
+    and must not tell one user what another asked. The owner is a uid, or None for
+    everyone when caches are shared. Retained KV caches beyond ``budget_tokens`` are
+    evicted LRU. All slots are created up front: no allocation per request.
     """
 
     def __init__(self, models: Models, size: int, budget_tokens: int | None = None) -> None:
         self.slots = [models.new_slot() for _ in range(size)]
         self.budget_tokens = budget_tokens
         self._free: list[Slot] = list(self.slots)  # least recently used first
+        self._owners: dict[int, int | None] = {id(slot): None for slot in self.slots}
         self._cond = threading.Condition()
 
+    def _reusable(self, slot: Slot, keys: list[tuple[int, bytes | None]],
+                  owner: int | None) -> int:
+        return common_prefix(slot.history, keys) if self._owners[id(slot)] == owner else 0
+
     @contextmanager
-    def acquire(self, keys: list[tuple[int, bytes | None]] | None = None) -> Iterator[Slot]:
+    def acquire(self, keys: list[tuple[int, bytes | None]] | None = None,
+                owner: int | None = None) -> Iterator[Slot]:
         with self._cond:
             while not self._free:
                 self._cond.wait()
             best = max(range(len(self._free)),
-                       key=lambda i: (common_prefix(self._free[i].history, keys or []), -i))
+                       key=lambda i: (self._reusable(self._free[i], keys or [], owner), -i))
             slot = self._free.pop(best)
+            stale = self._owners[id(slot)] != owner
+            self._owners[id(slot)] = owner
         try:
+            if stale:
+                slot.reset()  # another owner's KV cache: never a prefix for this one
             yield slot
         except BaseException:
             slot.reset()  # a failed run leaves the KV cache unknown

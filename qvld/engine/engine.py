@@ -2,26 +2,46 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from qvld.config import Config
 from qvld.engine.backend import Slot, SlotPool, common_prefix, load_models, release_file_pages
-from qvld.engine.cache import ImageCache, Session, SessionStore
+from qvld.engine.cache import ImageCache
 from qvld.engine.generate import Prompt, mrope_positions, never, run_generation
 from qvld.engine.image import PixelBudget, PreparedImage, image_digest, prepare
 from qvld.engine.model_dir import ModelSpec, load_model_spec
 from qvld.engine.prompt import ChatTemplate, TextTokenizer, expand_image_pads
 from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
-from qvld.engine.types import GenerateRequest, GenerateResult, Timings, TokenCallback, Usage
+from qvld.engine.sessions import Session, SessionStore, Turn, dropped, ids_through_stop
+from qvld.engine.types import (
+    GenerateRequest,
+    GenerateResult,
+    SessionInfo,
+    Timings,
+    TokenCallback,
+    Usage,
+)
 from qvld.engine.vision import ImageEmbedding, encode_image
-from qvld.errors import BadRequest, Busy, ModelInvalid, PromptTooLong
+from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
 
 _ROLES = {"system", "user", "assistant"}
+
+
+class PrepareStopped(Exception):
+    """``prepare``'s ``should_stop`` fired between images (decoding a large one takes
+    seconds): the caller knows whether that was a cancel or a deadline."""
+
+
+class HistoryLost(Exception):
+    """A session's history cannot be rebuilt exactly: an image it needs has neither its
+    raw bytes (dropped past engine.session_image_mb) nor a cached embedding, and the KV
+    cache no longer holds it. The turn then starts the session afresh."""
 
 
 @dataclass
@@ -35,9 +55,16 @@ class PreparedRequest:
     images: list[PreparedImage]
     image_starts: list[int]
     prepare_s: float
+    # The session these ids continue (None: no session, or a new one), as prepared.
     session: Session | None = None
-    session_turns: int = 0
+    session_version: int = 0
     history_tokens: int = 0
+    # The session named was lost (expired, evicted, closed by an admin): a fresh start.
+    session_reset: bool = False
+    # The history's images as prepared (their raw bytes stay alive with this request),
+    # and the embeddings of those whose bytes the session had already let go.
+    history_images: list[PreparedImage] = field(default_factory=list)
+    pinned: dict[bytes, ImageEmbedding] = field(default_factory=dict)
 
     @property
     def max_total_tokens(self) -> int:
@@ -70,12 +97,19 @@ class Engine:
         budget = (config.engine.kv_cache_mb << 20) // self.models.kv_bytes_per_token
         self.pool = SlotPool(self.models, config.engine.infer_requests, budget_tokens=budget)
         self.images = ImageCache(config.engine.image_cache_mb << 20)
-        self.sessions = SessionStore(config.engine.sessions_max, config.engine.session_ttl_s)
+        self.sessions = SessionStore(config.engine.sessions_max, config.engine.session_ttl_s,
+                                     per_user=config.engine.sessions_per_user,
+                                     image_budget_bytes=config.engine.session_image_mb << 20)
         self.max_context = min(config.engine.max_context_tokens,
                                self.spec.max_position_embeddings)
         self.load_s = time.perf_counter() - t0
 
     # -- requests -------------------------------------------------------------------
+
+    def cache_owner(self, uid: int) -> int | None:
+        """Whose cached KV prefixes and image embeddings a request of ``uid`` may reuse:
+        its own only, unless engine.share_caches (None: everyone's)."""
+        return None if self.config.engine.share_caches else uid
 
     def sampling_params(self, request: GenerateRequest) -> SamplingParams:
         gen = self.spec.generation
@@ -115,7 +149,9 @@ class Engine:
         shown: list[dict[str, Any]] = []
         images: list[bytes] = []
         for n, message in enumerate(messages):
-            if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            # The role may be any msgpack value: test its type before hashing it.
+            role = message.get("role") if isinstance(message, dict) else None
+            if not isinstance(role, str) or role not in _ROLES:
                 raise BadRequest(f"messages[{n}] needs a role of {sorted(_ROLES)}")
             content = message.get("content")
             if isinstance(content, str):
@@ -139,6 +175,22 @@ class Engine:
             raise BadRequest(f"at most {self.config.engine.max_images} images per request")
         return shown, images
 
+    def _check_text_length(self, shown: list[dict[str, Any]], room: int) -> None:
+        """Refuse text that cannot fit ``room`` tokens before templating and tokenising
+        it whole: a 30 MB text part would otherwise cost gigabytes and seconds."""
+        left = room - 1  # at least one token is generated
+        for message in shown:
+            content = message["content"]
+            texts = [content] if isinstance(content, str) else [
+                part["text"] for part in content if part["type"] == "text"]
+            for text in texts:
+                count = self.tokenizer.count_within(text, left)
+                if count is None:
+                    raise PromptTooLong(
+                        f"the prompt's text is longer than the {room} tokens left in the "
+                        f"context (engine.max_context_tokens {self.max_context})")
+                left -= count
+
     def image_budget(self, request: GenerateRequest) -> PixelBudget:
         cfg = self.config.engine
         tokens = cfg.default_image_tokens if request.max_image_tokens is None \
@@ -147,36 +199,44 @@ class Engine:
             raise BadRequest("max_image_tokens must be >= 1")
         return PixelBudget.for_request(self.spec.vision, min(tokens, cfg.max_image_tokens))
 
-    def _prepare_images(self, request: GenerateRequest, images: list[bytes]
-                        ) -> list[PreparedImage]:
+    def _prepare_images(self, request: GenerateRequest, images: list[bytes],
+                        should_stop: Callable[[], bool] = never) -> list[PreparedImage]:
         budget = self.image_budget(request)
         limit = self.config.engine.max_decode_pixels
-        prepared = []
+        owner = self.cache_owner(request.uid)
+        prepared: list[PreparedImage] = []
         for data in images:
-            digest = image_digest(data, budget)
-            known = self.images.grid(digest) if digest in self.images else None
+            # Decoding a large image takes seconds: a request whose client left or whose
+            # deadline passed stops between images.
+            if should_stop():
+                raise PrepareStopped(f"stopped after {len(prepared)} of {len(images)} images")
+            key = (owner, image_digest(data, budget))
+            known = self.images.grid(key) if key in self.images else None
             image = prepare(data, self.spec.vision, budget, limit, known_grid=known)
-            self.images.remember_grid(digest, (image.grid_h, image.grid_w))
+            self.images.remember_grid(key, (image.grid_h, image.grid_w))
             prepared.append(image)
         return prepared
 
-    def tokenize(self, request: GenerateRequest
+    def tokenize(self, request: GenerateRequest, should_stop: Callable[[], bool] = never
                  ) -> tuple[list[int], list[PreparedImage], list[int]]:
         """Template, tokenise, decode and patchify images; no inference yet.
 
         Returns the ids, the images and the row where each image starts."""
         shown, images = self._check_messages(request.messages)
+        self._check_text_length(shown, self.max_context)
         text = self.template.render(shown, add_generation_prompt=True)
-        prepared = self._prepare_images(request, images)
+        prepared = self._prepare_images(request, images, should_stop)
         ids, starts = expand_image_pads(self.tokenizer.encode(text), self.spec.image_token_id,
                                         [p.tokens for p in prepared])
         return ids, prepared, starts
 
-    def tokenize_continuation(self, request: GenerateRequest, history: list[int]
+    def tokenize_continuation(self, request: GenerateRequest, history: list[int],
+                              should_stop: Callable[[], bool] = never
                               ) -> tuple[list[int], list[PreparedImage], list[int]]:
         """The ids that follow a session's history: what the template renders after the
         last assistant turn (closing it if generation did not) for the new messages."""
         shown, images = self._check_messages(request.messages)
+        self._check_text_length(shown, self.max_context - len(history))
         marker = "\x00qvld-history\x00"
         text = self.template.render([{"role": "assistant", "content": marker}, *shown],
                                     add_generation_prompt=True)
@@ -187,7 +247,7 @@ class Engine:
         if closing and history[-1] in self.spec.generation.eos_token_ids and \
                 continuation.startswith(closing):
             continuation = continuation[len(closing):]  # generation already closed the turn
-        prepared = self._prepare_images(request, images)
+        prepared = self._prepare_images(request, images, should_stop)
         ids, starts = expand_image_pads(self.tokenizer.encode(continuation),
                                         self.spec.image_token_id, [p.tokens for p in prepared])
         return ids, prepared, starts
@@ -202,25 +262,33 @@ class Engine:
                 keys[row] = (ids[row], image.digest)
         return keys
 
-    def embed_image(self, slot: Slot, image: PreparedImage) -> tuple[ImageEmbedding, bool]:
-        """The image's embedding, and whether it came from the cache."""
-        cached = self.images.get(image.digest)
+    def embed_image(self, slot: Slot, image: PreparedImage, owner: int | None = None,
+                    pinned: dict[bytes, ImageEmbedding] | None = None
+                    ) -> tuple[ImageEmbedding, bool]:
+        """The image's embedding, and whether it came from the cache (``owner``'s
+        entries, or one ``pinned`` since the request was prepared)."""
+        key = (owner, image.digest)
+        cached = self.images.get(key, (pinned or {}).get(image.digest))
         if cached is not None:
             return cached, True
         if image.patches is None:  # evicted since it was prepared: decode again
+            if dropped(image):
+                raise HistoryLost(image.digest.hex())
             image = prepare(image.data, self.spec.vision, image.budget,
                             self.config.engine.max_decode_pixels)
         embedding = encode_image(slot, image, self.spec.vision)
-        self.images.put(image.digest, embedding)
+        self.images.put(key, embedding)
         return embedding, False
 
     def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage],
                  starts: list[int], should_stop: Callable[[], bool] = never,
-                 cached: int = 0) -> Prompt | None:
+                 cached: int = 0, owner: int | None = None,
+                 pinned: dict[bytes, ImageEmbedding] | None = None) -> Prompt | None:
         """Lay out embeddings, masks and positions; encode the images on ``slot``.
 
         Images entirely inside the first ``cached`` rows (already in the KV cache) are
-        not encoded. None when ``should_stop`` fired between images.
+        not encoded. None when ``should_stop`` fired between images. Raises HistoryLost
+        when a session image is needed whose bytes and embedding are both gone.
         """
         hidden, k = self.spec.hidden_size, self.spec.vision.deepstack_layers
         visual_mask = np.zeros(len(ids), dtype=bool)
@@ -234,7 +302,7 @@ class Engine:
                 continue
             if should_stop():
                 return None
-            embedding, hit = self.embed_image(slot, image)
+            embedding, hit = self.embed_image(slot, image, owner, pinned)
             if hit:
                 hits += 1
             else:
@@ -258,33 +326,45 @@ class Engine:
             image_cache_misses=misses,
         )
 
-    def prepare(self, request: GenerateRequest) -> PreparedRequest:
+    def prepare(self, request: GenerateRequest,
+                should_stop: Callable[[], bool] = never) -> PreparedRequest:
         """Everything before inference: validate, template, tokenise, decode images.
 
-        Raises the typed error for bad input; cheap enough to run before admission.
-        With a session, the ids are the continuation of its history (joined in ``run``).
+        Raises the typed error for bad input, or ``PrepareStopped`` when ``should_stop``
+        fires between images. With a session, the ids are the continuation of its history
+        (joined in ``run``).
         """
         t0 = time.perf_counter()
         params = self.sampling_params(request)
         max_tokens = self._max_tokens(request)
-        session = None
-        history = 0
-        if request.session is not None:
-            session = self.sessions.open(request.session, request.uid)
-            history = len(session.ids)
-        if session is not None and session.ids:
-            ids, images, starts = self.tokenize_continuation(request, session.ids)
+        session: Session | None = None
+        lost = False
+        if request.session is not None:  # looked up, never created before a turn commits
+            session, lost = self.sessions.lookup(request.uid, request.session)
+        # The version first: a turn committing meanwhile is then caught by ``begin``.
+        version = session.version if session is not None else 0
+        history = session.ids if session is not None else []
+        if history:
+            ids, images, starts = self.tokenize_continuation(request, history, should_stop)
         else:
-            ids, images, starts = self.tokenize(request)
-        if history + len(ids) + 1 > self.max_context:
-            raise PromptTooLong(f"the prompt has {history + len(ids)} tokens; the context "
-                                f"holds {self.max_context} including at least one generated "
-                                "token" + (" (start a new session)" if history else ""))
+            ids, images, starts = self.tokenize(request, should_stop)
+        self._check_context(len(history), len(ids))
+        history_images = list(session.images) if session is not None else []
+        owner = self.cache_owner(request.uid)
+        pinned = {image.digest: embedding for image in history_images if dropped(image)
+                  and (embedding := self.images.peek((owner, image.digest))) is not None}
         return PreparedRequest(request=request, params=params, max_tokens=max_tokens, ids=ids,
                                images=images, image_starts=starts,
                                prepare_s=time.perf_counter() - t0,
-                               session=session, session_turns=session.turns if session else 0,
-                               history_tokens=history)
+                               session=session, session_version=version,
+                               history_tokens=len(history), session_reset=lost,
+                               history_images=history_images, pinned=pinned)
+
+    def _check_context(self, history: int, new: int) -> None:
+        if history + new + 1 > self.max_context:
+            raise PromptTooLong(f"the prompt has {history + new} tokens; the context "
+                                f"holds {self.max_context} including at least one generated "
+                                "token" + (" (start a new session)" if history else ""))
 
     def kv_bytes(self, tokens: int) -> int:
         """KV-cache memory ``tokens`` positions take at the runtime's KV precision."""
@@ -293,40 +373,76 @@ class Engine:
     def run(self, prepared: PreparedRequest,
             on_token: TokenCallback | None = None) -> GenerateResult:
         """Inference for a prepared request on a free slot (blocks until one is free)."""
-        session = prepared.session
-        if session is None:
+        request = prepared.request
+        if request.session is None:
             return self._run(prepared, prepared.ids, prepared.images, prepared.image_starts,
                              on_token)
-        if not session.lock.acquire(blocking=False):
-            raise Busy(f"session {session.id!r} is answering another request")
+        turn = self.sessions.begin(request.uid, request.session, prepared.session,
+                                   prepared.session_version)
         try:
-            if session.turns != prepared.session_turns:
-                raise Busy(f"session {session.id!r} moved on since this request was "
-                           "prepared; retry")
-            ids = session.ids + prepared.ids
-            images = session.images + prepared.images
-            starts = session.image_starts + [len(session.ids) + s for s in prepared.image_starts]
-            result = self._run(prepared, ids, images, starts, on_token)
-            session.commit(ids + result.token_ids, images, starts)
-            return result
+            return self._run_turn(prepared, turn, on_token)
         finally:
-            session.lock.release()
+            self.sessions.end(turn)
+
+    def _run_turn(self, prepared: PreparedRequest, turn: Turn,
+                  on_token: TokenCallback | None) -> GenerateResult:
+        """One session turn: continue the history, or start afresh when it is lost (gone
+        since the request was prepared, or no longer rebuildable exactly); commit it only
+        when generation ended normally, so the history is what the client saw."""
+        request, session = prepared.request, turn.session
+        assert request.session is not None
+        reset = prepared.session_reset
+        ids, images, starts = prepared.ids, prepared.images, prepared.image_starts
+        result = None
+        if not turn.new:
+            ids = session.ids + prepared.ids
+            images = prepared.history_images + prepared.images
+            starts = session.image_starts + [len(session.ids) + s for s in starts]
+            try:
+                result = self._run(prepared, ids, images, starts, on_token, prepared.pinned)
+            except HistoryLost:
+                result = None
+        if result is None:
+            if prepared.session is not None:  # prepared as a continuation of a lost history
+                reset = True
+                ids, images, starts = self.tokenize(request)
+                self._check_context(0, len(ids))
+            result = self._run(prepared, ids, images, starts, on_token)
+        if result.finish_reason == "cancelled":  # the client left or the deadline passed
+            turns = 0 if turn.new else session.turns
+        else:
+            kept = self._kept_ids(result, request)
+            turns = self.sessions.commit(turn, ids + kept, images, starts, reset=reset)
+        result.session = SessionInfo(id=request.session, turns=turns, reset=reset)
+        return result
+
+    def _kept_ids(self, result: GenerateResult, request: GenerateRequest) -> list[int]:
+        """The generated ids a session keeps: all, except after a stop string, where only
+        those through the stop string (the client never got the text beyond it)."""
+        ids = result.token_ids
+        eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
+        if result.finish_reason != "stop" or not ids or ids[-1] in eos:
+            return ids
+        return ids_through_stop(self.tokenizer, ids, result.text, request.stop)
 
     def _run(self, prepared: PreparedRequest, ids: list[int], images: list[PreparedImage],
-             starts: list[int], on_token: TokenCallback | None) -> GenerateResult:
+             starts: list[int], on_token: TokenCallback | None,
+             pinned: dict[bytes, ImageEmbedding] | None = None) -> GenerateResult:
         t0 = time.perf_counter()
         request = prepared.request
         should_stop = request.should_stop or never
         sampler = Sampler(prepared.params, ids, self.spec.vocab_size)
         eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
         keys = self.prompt_keys(ids, images, starts)
-        with self.pool.acquire(keys) as slot:
+        owner = self.cache_owner(request.uid)
+        with self.pool.acquire(keys, owner) as slot:
             # Reuse the longest prefix in the KV cache, but always feed the last prompt
             # row: its logits give the first token.
             cached = min(common_prefix(slot.history, keys), len(ids) - 1)
             slot.trim(cached)
             t_vision = time.perf_counter()
-            prompt = self.assemble(slot, ids, images, starts, should_stop, cached)
+            prompt = self.assemble(slot, ids, images, starts, should_stop, cached, owner,
+                                   pinned)
             image_s = prepared.prepare_s + time.perf_counter() - t_vision
             if prompt is None:
                 return self._cancelled(prepared, t0, image_s)
@@ -389,7 +505,7 @@ class Engine:
         """
         request = GenerateRequest(messages=[{"role": "user", "content": [
             {"type": "image", "image": warmup_image()}, {"type": "text", "text": "Hello"}]}],
-            max_tokens=2, temperature=0.0)
+            max_tokens=2, temperature=0.0, uid=os.getuid())  # the daemon's own caches
         prepared = self.prepare(request)
         with self.pool.acquire() as slot:
             for image in prepared.images:
@@ -398,4 +514,4 @@ class Engine:
         self.run(prepared)
         release_file_pages(self.models.weight_files)
         for image in prepared.images:  # nobody will ask about it again
-            self.images.discard(image.digest)
+            self.images.discard((self.cache_owner(request.uid), image.digest))

@@ -90,7 +90,52 @@ class TextTokenizer:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        # The batch form releases the GIL while it works (plain ``encode`` holds it:
+        # a long text would stall the event loop) and skips the offsets nobody reads.
+        return list(self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+
+    def count_within(self, text: str, limit: int) -> int | None:
+        """The tokens of ``text`` alone, or None when they are more than ``limit``; the
+        cost is bounded by the chunk size and the limit, whatever the length of ``text``
+        (tokenising a whole text costs ≈200 bytes of memory per byte of text).
+
+        A long text is counted in chunks cut where the tokenizer's own pre-tokenizer
+        splits (found in a small window around each cut), so that the chunks tokenise as
+        the whole does; ``CUT_SLACK`` tokens per cut absorb what a cut could still change
+        (e.g. normalisation across it), so a text is never called too long when it is
+        not. Counting stops as soon as the limit is passed.
+        """
+        # A token stands for at least one byte (no need to count a short text in chunks);
+        # characters are checked first, so that a huge text is not copied to bytes.
+        if len(text) <= limit and len(text.encode()) <= limit:
+            return None if limit < 0 else len(self.encode(text))
+        total = cuts = start = 0
+        while start < len(text):
+            end = self._cut(text, start + self.CHUNK_CHARS)
+            total += len(self.encode(text[start:end]))
+            cuts += end < len(text)
+            if total - cuts * self.CUT_SLACK > limit:
+                return None
+            start = end
+        return max(total - cuts * self.CUT_SLACK, 0)
+
+    CHUNK_CHARS = 32_768
+    CUT_SLACK = 8
+    _WINDOW = 256
+
+    def _cut(self, text: str, at: int) -> int:
+        """A position near ``at`` where the pre-tokenizer starts a new piece."""
+        if at >= len(text):
+            return len(text)
+        pre = self._tok.pre_tokenizer
+        lo = max(0, at - self._WINDOW)
+        if pre is None:
+            return at
+        pieces = pre.pre_tokenize_str(text[lo:at + self._WINDOW])
+        # Piece starts at least half a window in (the window's own start may split
+        # differently from the whole text), the one nearest ``at``.
+        starts = [lo + s for _, (s, _e) in pieces if s >= self._WINDOW // 2]
+        return min(starts, key=lambda p: abs(p - at), default=at) or at
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))

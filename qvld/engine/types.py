@@ -25,7 +25,8 @@ class GenerateRequest:
     ignore_eos: bool = False
     max_image_tokens: int | None = None
     session: str | None = None  # continue (or start) this conversation
-    uid: int = 0  # who asks: sessions belong to the uid that created them
+    # Who asks: sessions are per uid, and so are the caches unless engine.share_caches.
+    uid: int = 0
     # Polled between prefill chunks and decode steps; True ends generation as cancelled.
     should_stop: Callable[[], bool] | None = None
 
@@ -49,6 +50,17 @@ class Timings:
 
 
 @dataclass
+class SessionInfo:
+    """What became of the request's session: ``turns`` after this request, and whether
+    the context the client expected was lost (expired, evicted, closed by an admin, or
+    no longer rebuildable) so that this turn started a fresh conversation."""
+
+    id: str
+    turns: int
+    reset: bool = False
+
+
+@dataclass
 class GenerateResult:
     text: str
     token_ids: list[int]
@@ -59,11 +71,15 @@ class GenerateResult:
     token_gaps: list[float] = field(default_factory=list, repr=False)
     image_cache_hits: int = 0
     image_cache_misses: int = 0
+    session: SessionInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "usage": asdict(self.usage),
-                "timings": asdict(self.timings)}
+        out = {"text": self.text, "token_ids": self.token_ids,
+               "finish_reason": self.finish_reason, "usage": asdict(self.usage),
+               "timings": asdict(self.timings)}
+        if self.session is not None:
+            out["session"] = asdict(self.session)
+        return out
 
 
 # on_token(text_delta, new_token_ids): called as text becomes final (never mid-character,

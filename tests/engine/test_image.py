@@ -206,3 +206,26 @@ def test_cancellation_acts_between_images(tiny_dir: Path) -> None:
         should_stop=stop_after_first_image))
     assert result.finish_reason == "cancelled" and result.token_ids == []
     assert engine.images.stats()["entries"] == 1  # the second image was never encoded
+
+
+def test_prepare_stops_between_images_when_told(tiny_dir: Path) -> None:
+    """The prepare stage's own stop (a deadline or a client gone while large images are
+    decoded): the images after it are never decoded."""
+    from qvld.engine.engine import PrepareStopped
+    from tests.conftest import parity_config
+
+    engine = Engine(parity_config(tiny_dir, infer_requests=1))
+    data = [(tiny_dir / "images" / name).read_bytes() for name in ("photo.png", "gray.png",
+                                                                    "tall.png")]
+    polls = {"n": 0}
+
+    def stop_after_first_image() -> bool:
+        polls["n"] += 1
+        return polls["n"] > 1
+
+    request = GenerateRequest(messages=[{"role": "user", "content": [
+        {"type": "image", "image": image} for image in data]}])
+    with pytest.raises(PrepareStopped, match="after 1 of 3 images"):
+        engine.prepare(request, stop_after_first_image)
+    assert polls["n"] == 2
+    assert len(engine.prepare(request).images) == 3  # without a stop: all of them

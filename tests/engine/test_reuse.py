@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.errors import Busy, Forbidden
+from qvld.errors import Busy
 from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
 
 REFERENCE = load_reference(TINY)
@@ -31,7 +31,8 @@ def test_session_turns_equal_transformers_on_the_exact_sequence(session: dict[st
         assert result.usage.prompt_tokens == len(turn["input_ids"])
         if n:  # the history (all but the last generated token) came from the KV cache
             assert result.usage.cached_tokens >= len(session["turns"][n - 1]["input_ids"])
-    stored = engine.sessions.open("s", 0)
+    stored, _ = engine.sessions.lookup(0, "s")
+    assert stored is not None
     last = session["turns"][-1]
     assert stored.ids == last["input_ids"] + last["token_ids"]
 
@@ -89,17 +90,20 @@ def test_kv_state_is_trimmed_to_the_common_prefix() -> None:
     assert a.token_ids == CASES["system"]["token_ids"]
 
 
-def test_sessions_belong_to_their_uid() -> None:
+def test_sessions_are_per_uid_and_one_never_sees_anothers() -> None:
     engine = Engine(parity_config(TINY, infer_requests=1))
-    turn = SESSIONS[0]["turns"][0]
-    ask(engine, turn, session="mine", uid=1000)
-    with pytest.raises(Forbidden):
-        ask(engine, turn, session="mine", uid=1001)
-    assert engine.sessions.list(1001) == []
-    assert [s["id"] for s in engine.sessions.list(1000)] == ["mine"]
-    with pytest.raises(Forbidden):
-        engine.sessions.close("mine", 1001)
-    assert engine.sessions.close("mine", 1001, admin=True)
+    first, second = SESSIONS[0]["turns"][:2]
+    ask(engine, first, session="mine", uid=1000)
+    # The same id is another user's own, fresh session: no error, no trace of the first.
+    other = ask(engine, first, session="mine", uid=1001)
+    assert other.session is not None and (other.session.turns, other.session.reset) == (1, False)
+    assert other.token_ids == first["token_ids"]
+    assert [(s["id"], s["uid"]) for s in engine.sessions.list(1001)] == [("mine", 1001)]
+    assert not engine.sessions.close(1001, "nothing-here")
+    assert engine.sessions.close(1001, "mine")
+    # uid 1000's session went on untouched.
+    assert ask(engine, second, session="mine", uid=1000).token_ids == second["token_ids"]
+    assert [s["turns"] for s in engine.sessions.list(1000)] == [2]
 
 
 def test_session_limits_and_concurrency() -> None:
@@ -122,7 +126,9 @@ def test_image_pad_ids_in_a_session_history_are_text() -> None:
     engine = Engine(parity_config(TINY, infer_requests=1))
     pad = engine.spec.image_token_id
     ids, _, _ = engine.tokenize(GenerateRequest(messages=[{"role": "user", "content": "Hi"}]))
-    engine.sessions.open("x", 0).commit([*ids, pad, pad, 5], [], [])
+    turn = engine.sessions.begin(0, "x", None, 0)
+    engine.sessions.commit(turn, [*ids, pad, pad, 5], [], [])
+    engine.sessions.end(turn)
     result = engine.generate(GenerateRequest(messages=[{"role": "user", "content": "More"}],
                                              session="x", max_tokens=3, temperature=0.0))
     assert len(result.token_ids) == 3

@@ -1,0 +1,76 @@
+"""Waiting work per user, taken round-robin, and results handed back to the event loop.
+
+Shared by the prepare stage and the generation scheduler: both are a few worker threads
+in front of which one user's burst must not starve another user's single request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class FairQueue(Generic[T]):
+    """Items per uid; ``pop`` takes from the uid at the front of the rotation and sends
+    that uid to the back. Not thread-safe: its owner holds a lock around every call."""
+
+    def __init__(self) -> None:
+        self._by_uid: collections.OrderedDict[int, collections.deque[T]] = \
+            collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._by_uid.values())
+
+    def __iter__(self) -> Iterator[T]:
+        return (item for queue in self._by_uid.values() for item in queue)
+
+    def push(self, uid: int, item: T) -> None:
+        self._by_uid.setdefault(uid, collections.deque()).append(item)
+
+    def remove(self, uid: int, item: T) -> bool:
+        """Take ``item`` out; False if it is not waiting (a worker has it already)."""
+        queue = self._by_uid.get(uid)
+        if queue is None or item not in queue:
+            return False
+        queue.remove(item)
+        if not queue:
+            del self._by_uid[uid]
+        return True
+
+    def pop(self, eligible: Callable[[int], bool] = lambda uid: True) -> T | None:
+        """The next item of the first ``eligible`` uid in the rotation, or None."""
+        uid = next((u for u in self._by_uid if eligible(u)), None)
+        if uid is None:
+            return None
+        queue = self._by_uid.pop(uid)
+        item = queue.popleft()
+        if queue:  # the uid goes to the back of the rotation
+            self._by_uid[uid] = queue
+        return item
+
+    def clear(self) -> list[T]:
+        """Every waiting item, removed."""
+        items = list(self)
+        self._by_uid.clear()
+        return items
+
+
+def settle_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T],
+                      value: T | None, error: BaseException | None) -> None:
+    """From a worker thread: resolve ``future`` on its loop (unless already done)."""
+
+    def settle() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)  # type: ignore[arg-type]
+
+    with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+        loop.call_soon_threadsafe(settle)

@@ -1,0 +1,468 @@
+"""Red-team round 2 against the real daemon: what one frame, one text, idle connections or
+a burst of huge images can make the daemon hold or delay. Each attack is watched from the
+outside: the daemon's peak RSS during it (VmHWM, reset before) and the worst latency of
+`health` probed every 20 ms on another connection. Figures for RELIABILITY.md are
+printed (-s)."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import msgpack
+import pytest
+from PIL import Image
+
+from qvld import protocol
+from qvld.errors import QvlError
+from tests.conftest import NOBODY, Daemon, run_as
+
+MiB = 1 << 20
+pytestmark = pytest.mark.slow
+
+
+def _status(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+class Watch:
+    """The daemon's peak RSS above its RSS at the start, and `health` latencies, while
+    the block runs."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        assert daemon.proc is not None
+        self.daemon = daemon
+        self.pid = daemon.proc.pid
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._probe, daemon=True)
+
+    def _probe(self) -> None:
+        with self.daemon.client(timeout=30) as client:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                client.health()
+                self.latencies.append(time.perf_counter() - t0)
+                self._stop.wait(0.02)
+
+    def __enter__(self) -> Watch:
+        Path(f"/proc/{self.pid}/clear_refs").write_text("5")  # resets VmHWM to VmRSS
+        self.rss0 = _status(self.pid, "VmRSS")
+        self._thread.start()
+        while not self.latencies:
+            time.sleep(0.005)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.peak_mib = (_status(self.pid, "VmHWM") - self.rss0) / 1024
+
+    @property
+    def worst_s(self) -> float:
+        return max(self.latencies)
+
+    @property
+    def p99_s(self) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+    def report(self, name: str, answer: str) -> str:
+        line = (f"{name}: {answer}; peak RSS +{self.peak_mib:.0f} MiB; health worst "
+                f"{self.worst_s * 1000:.0f} ms, p99 {self.p99_s * 1000:.0f} ms "
+                f"({len(self.latencies)} probes)")
+        print(line)
+        return line
+
+
+def connect(path: Path, timeout: float = 30) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    sock.connect(str(path))
+    return sock
+
+
+def read_reply(sock: socket.socket) -> dict[str, Any] | None:
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            return None
+        data += chunk
+    return dict(msgpack.unpackb(data[4:4 + struct.unpack(">I", data[:4])[0]], raw=False))
+
+
+def still_good(daemon: Daemon) -> None:
+    with daemon.client() as client:
+        result = client.generate({"messages": [{"role": "user", "content": "Hi"}],
+                                  "max_tokens": 2})
+        assert len(result["token_ids"]) == 2
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Path]:
+    """A directory uid 65534 can reach (pytest's tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="qvld-hardening-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def target(shared: Path) -> Iterator[tuple[Daemon, int]]:
+    """Default limits (32 MiB frames, 8192-token context), a metrics port, nobody allowed."""
+    port = free_port()
+    daemon = Daemon(shared, metrics_listen=f"127.0.0.1:{port}", args=[
+        "--set", "server.socket_mode=0666", "--set", f"server.allow_uids=[{NOBODY}]",
+        "--set", "server.idle_timeout_s=2", "--set", "engine.max_new_tokens=4000"]).start()
+    yield daemon, port
+    assert daemon.proc is not None and daemon.proc.poll() is None, "the daemon died"
+    assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log()
+
+
+# -- one frame, one text -------------------------------------------------------------------
+
+def empty_maps(size: int) -> bytes:
+    """A frame of ``size`` bytes: one array of (size - 5) empty maps."""
+    count = size - 5
+    return b"\xdd" + struct.pack(">I", count) + b"\x80" * count
+
+
+def nested_arrays(size: int) -> bytes:
+    inner = b"\xdc" + struct.pack(">H", 1000) + b"\x90" * 1000
+    count = (size - 5) // len(inner)
+    return b"\xdd" + struct.pack(">I", count) + inner * count
+
+
+def text_request(chars: int) -> bytes:
+    return msgpack.packb({"id": 7, "op": "generate", "params": {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "word " * (
+            chars // 5)}]}], "max_tokens": 1}}, use_bin_type=True)
+
+
+ATTACKS: list[tuple[str, Callable[[], bytes], str]] = [
+    ("32 MiB frame of empty maps", lambda: empty_maps(32 * MiB - 64), "bad_request"),
+    ("32 MiB frame of nested empty arrays", lambda: nested_arrays(32 * MiB - 64),
+     "bad_request"),
+    ("30 MB text part", lambda: text_request(30_000_000), "prompt_too_long"),
+    ("1 MB text part", lambda: text_request(1_000_000), "prompt_too_long"),
+    ("200 kB text part", lambda: text_request(200_000), "prompt_too_long"),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "code"), ATTACKS, ids=[a[0] for a in ATTACKS])
+def test_a_frame_or_text_costs_little_memory_and_never_stalls_health(
+        target: tuple[Daemon, int], name: str, make: Callable[[], bytes], code: str) -> None:
+    daemon, _ = target
+    payload = make()
+    assert len(payload) <= 32 * MiB
+    sock = connect(daemon.socket, timeout=60)
+    with Watch(daemon) as watch:
+        t0 = time.perf_counter()
+        sock.sendall(protocol.HEADER.pack(len(payload)) + payload)
+        reply = read_reply(sock)
+        took = time.perf_counter() - t0
+    sock.close()
+    assert reply is not None and reply["error"]["code"] == code, reply
+    watch.report(name, f"{code} in {took:.2f} s")
+    assert watch.peak_mib <= 100
+    assert watch.worst_s <= 1.0
+    still_good(daemon)
+
+
+REFUSED_CLIENT = """
+import socket, struct, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(60)
+s.connect(sys.argv[1])
+n = int(sys.argv[2])
+try:
+    s.sendall(struct.pack(">I", n) + b"\\xdd" + struct.pack(">I", n - 5) + b"\\x80" * (n - 5))
+except OSError:
+    pass
+data = b""
+while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    data += chunk
+print(data[4:].hex())
+"""
+
+
+def test_a_refused_peer_frame_is_never_decoded(target: tuple[Daemon, int]) -> None:
+    daemon, _ = target
+    python = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
+    stranger = 65533  # neither allowed nor in a group
+    with Watch(daemon) as watch:
+        out = subprocess.run([python, "-c", REFUSED_CLIENT, str(daemon.socket),
+                              str(32 * MiB - 64)], user=stranger, group=stranger,
+                             capture_output=True, timeout=60, check=False, cwd="/",
+                             env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr.decode()
+    reply = msgpack.unpackb(bytes.fromhex(out.stdout.decode().strip()), raw=False)
+    assert reply["error"]["code"] == "forbidden" and reply["id"] is None
+    watch.report("32 MiB frame of empty maps from a refused uid", "forbidden")
+    assert watch.peak_mib <= 20  # not read, let alone decoded
+    still_good(daemon)
+
+
+# -- connections ---------------------------------------------------------------------------
+
+def test_idle_connections_are_closed_but_busy_ones_are_not(target: tuple[Daemon, int]
+                                                            ) -> None:
+    daemon, _ = target
+    idle = [connect(daemon.socket) for _ in range(20)]
+    working = daemon.client(timeout=60)
+    working.connect()
+    t0 = time.monotonic()
+    result = working.generate({"messages": [{"role": "user", "content": "Hi"}],
+                               "max_tokens": 3000, "ignore_eos": True, "temperature": 0},
+                              on_token=lambda text, ids: None)
+    took = time.monotonic() - t0
+    # The generating connection stayed open however long it took, and serves on.
+    assert working.health()["ready"]
+    assert len(result["token_ids"]) == 3000 and took > 2.5  # longer than idle_timeout_s
+    for sock in idle:
+        sock.settimeout(10)
+        assert sock.recv(1) == b""  # closed by the daemon after idle_timeout_s (2 s)
+        sock.close()
+    working.close()
+    print(f"20 idle connections closed after 2 s; a {took:.1f} s generation's was not")
+
+
+def test_metrics_listener_holds_no_thread_per_connection(target: tuple[Daemon, int]) -> None:
+    daemon, port = target
+    assert daemon.proc is not None
+    url = f"http://127.0.0.1:{port}/metrics"
+    threads0 = _status(daemon.proc.pid, "Threads")
+    with Watch(daemon) as watch:
+        idle = []
+        for _ in range(500):
+            sock = socket.create_connection(("127.0.0.1", port))
+            idle.append(sock)
+        time.sleep(0.5)
+        threads = _status(daemon.proc.pid, "Threads")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=10)
+        assert refused.value.code == 503
+        t0 = time.monotonic()
+        answers = []
+        for sock in idle:
+            sock.settimeout(30)
+            answers.append(b"".join(iter(lambda sock=sock: sock.recv(4096), b"")))
+            sock.close()
+        closed_after = time.monotonic() - t0
+    # The first 16 were held until their 5 s ran out, then closed; the rest told 503.
+    assert answers.count(b"") == 16
+    assert all(a.startswith(b"HTTP/1.1 503 ") for a in answers if a)
+    assert threads <= threads0 + 1, (threads0, threads)
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert b"qvld_requests_total" in response.read()
+    watch.report("500 idle TCP connections to the metrics port",
+                 f"threads {threads0} -> {threads}, 16 held, the rest 503, all closed within "
+                 f"{closed_after:.1f} s")
+    assert watch.worst_s <= 1.0
+
+
+# -- fairness of the prepare stage -----------------------------------------------------------
+
+def huge_png(colour: tuple[int, int, int]) -> bytes:
+    """≈200 kB; 1.9 s to decode and resize here. Each test its own colour: an image seen
+    before is a cache hit that skips decoding."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8000, 8000), colour).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_huge_images_of_one_user_do_not_delay_another(target: tuple[Daemon, int]) -> None:
+    daemon, _ = target
+    png = huge_png((10, 120, 200))
+    heavy = {"messages": [{"role": "user", "content": [
+        *[{"type": "image", "image": png}] * 4, {"type": "text", "text": "What?"}]}],
+        "max_tokens": 1}
+    done: list[float] = []
+
+    def hog() -> None:
+        with daemon.client(timeout=120) as client:
+            client.generate(heavy)
+            done.append(time.monotonic())
+
+    hogs = [threading.Thread(target=hog) for _ in range(3)]
+    t0 = time.monotonic()
+    for thread in hogs:
+        thread.start()
+    time.sleep(0.5)  # uid 0's requests are being prepared
+    asked = time.time()
+    replies = run_as(NOBODY, daemon.socket, [{"id": 1, "op": "generate", "params": {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}}])
+    assert isinstance(replies, list)
+    other_s = replies[-1][0] - asked
+    assert replies[-1][1]["ok"], replies
+    for thread in hogs:
+        thread.join(120)
+    hogs_s = max(done) - t0
+    print(f"3 requests of 4 8000x8000 PNGs by uid 0 ({hogs_s:.1f} s in all): uid 65534's "
+          f"small request answered in {other_s:.2f} s")
+    assert other_s < 2.0 < hogs_s
+
+
+def test_a_deadline_and_a_disconnect_stop_image_decoding(target: tuple[Daemon, int]) -> None:
+    daemon, _ = target
+    heavy = {"messages": [{"role": "user", "content": [
+        *[{"type": "image", "image": huge_png((i, 0, 50))} for i in range(4)],
+        {"type": "text", "text": "What?"}]}],
+        "max_tokens": 1}
+    with daemon.client(timeout=60) as client:
+        t0 = time.monotonic()
+        with pytest.raises(QvlError) as info:
+            client.generate({**heavy, "deadline_s": 0.5})
+        took = time.monotonic() - t0
+    assert info.value.code == "timeout"
+    assert took < 0.5 + 2 * 1.9 + 1  # at most the image being decoded finishes
+    # A client that leaves: its remaining images are not decoded.
+    heavy["messages"][0]["content"][:4] = [{"type": "image", "image": huge_png((i, 0, 90))}
+                                           for i in range(4)]
+    sock = connect(daemon.socket)
+    sock.sendall(protocol.pack({"id": 1, "op": "generate", "params": heavy}))
+    time.sleep(0.3)
+    sock.close()
+    t1 = time.monotonic()
+    still_good(daemon)  # a thread is free again within about one image's decoding
+    print(f"4 huge images, deadline 0.5 s: timeout after {took:.2f} s; after a disconnect "
+          f"the next request was answered in {time.monotonic() - t1:.2f} s")
+    assert time.monotonic() - t1 < 2 * 1.9 + 1
+
+
+# -- what one connection and one uid may hold -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    daemon = Daemon(tmp_path_factory.mktemp("small"), args=[
+        "--set", f"server.max_frame_bytes={MiB}",
+        "--set", f"server.max_pending_bytes={3 * MiB // 2}",
+        "--set", "server.max_requests_per_connection=2", "--set", "server.read_timeout_s=10",
+        "--set", "engine.max_new_tokens=4000"]).start()
+    yield daemon
+    assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log()
+
+
+def test_half_frames_are_bounded_in_all_and_per_uid(small: Daemon) -> None:
+    first = connect(small.socket)
+    first.sendall(protocol.HEADER.pack(MiB) + b"\x80" * 1000)  # a parked half frame
+    time.sleep(0.2)
+    second = connect(small.socket)
+    second.sendall(protocol.HEADER.pack(MiB))
+    reply = read_reply(second)
+    assert reply is not None and reply["error"]["code"] == "busy"
+    assert "max_pending_bytes" in reply["error"]["message"]
+    assert second.recv(1) == b""
+    second.close()
+    first.close()
+    time.sleep(0.2)
+    still_good(small)  # the first one's share is released when it leaves
+
+
+def test_requests_in_flight_per_connection_are_bounded(small: Daemon) -> None:
+    sock = connect(small.socket)
+    long = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4000,
+            "ignore_eos": True}
+    for rid in (1, 2, 3):
+        sock.sendall(protocol.pack({"id": rid, "op": "generate", "params": long}))
+    reply = read_reply(sock)
+    assert reply is not None and reply["id"] == 3 and reply["error"]["code"] == "busy"
+    sock.close()
+    still_good(small)
+
+
+# -- reload ------------------------------------------------------------------------------------
+
+def test_reload_keeps_sessions_and_caches_when_the_model_did_not_change(tmp_path: Path
+                                                                        ) -> None:
+    daemon = Daemon(tmp_path).start()
+    turn = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4,
+            "session": "s1", "temperature": 0}
+    try:
+        with daemon.client() as client:
+            client.generate(turn)
+            (tmp_path / "qvld.yaml").write_text("server:\n  queue_max: 7\n")
+            result = client.reload()
+            assert result["reloaded"] and not result["model_reloaded"]
+            assert [s["id"] for s in client.sessions()] == ["s1"]
+            again = client.generate({**turn, "messages": [
+                {"role": "user", "content": "And again"}]})
+            assert again["usage"]["cached_tokens"] > 0
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_a_reload_ending_during_a_drain_does_not_make_the_daemon_ready(tmp_path: Path
+                                                                        ) -> None:
+    daemon = Daemon(tmp_path, args=["--set", "engine.max_new_tokens=8000",
+                                    "--set", "server.drain_timeout_s=60"]).start()
+    assert daemon.proc is not None
+    try:
+        with daemon.client(timeout=120) as watcher, daemon.client(timeout=120) as worker:
+            worker.send({"id": 1, "op": "generate", "params": {
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6000,
+                "ignore_eos": True, "stream": True}})
+            assert worker.receive().get("event") == "token"  # it runs: the drain will wait
+            # A changed engine setting: the reload loads the model again (seconds).
+            (tmp_path / "qvld.yaml").write_text("engine:\n  prefill_chunk: 256\n")
+            daemon.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while watcher.health()["state"] != "reloading":
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            daemon.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while "reload finished while draining" not in daemon.log():
+                assert time.monotonic() < deadline, daemon.log()
+                time.sleep(0.05)
+            assert watcher.health() == {"state": "draining", "ready": False}
+            worker.send({"id": 2, "op": "cancel", "params": {"target": 1}})
+    finally:
+        daemon.stop()
+    assert "READY" not in daemon.log().split("received SIGTERM")[-1]
+
+
+def test_a_client_reconnects_by_itself_after_the_idle_timeout(target: tuple[Daemon, int]
+                                                              ) -> None:
+    daemon, _ = target
+    with daemon.client() as client:
+        first = client.generate({"messages": [{"role": "user", "content": "Hi"}],
+                                 "max_tokens": 2, "session": "idle-chat"})
+        sock = client._sock
+        assert sock is not None
+        sock.settimeout(10)
+        assert sock.recv(1, socket.MSG_PEEK) == b""  # the daemon closed the idle line...
+        second = client.generate({"messages": [{"role": "user", "content": "More"}],
+                                  "max_tokens": 2, "session": "idle-chat"})
+        assert client._sock is not sock  # ...and the client opened a new one by itself
+    assert second["session"]["turns"] == first["session"]["turns"] + 1
+    assert not second["session"]["reset"]
