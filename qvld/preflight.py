@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qvld.config import Config
+from qvld.engine.model_cache import unsafe_dir
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
 
@@ -229,11 +230,12 @@ def check_memory(system: System, config: Config) -> Check:
     if available is None:
         return Check("memory", NA, "no /proc/meminfo", "")
     weights = model_bytes(config)
-    need = weights + ((config.engine.kv_cache_mb + config.engine.image_cache_mb) << 20) \
-        + (512 << 20)
+    engine = config.engine
+    need = weights + ((engine.kv_cache_mb + engine.image_cache_mb + engine.session_image_mb)
+                      << 20) + (512 << 20)
     found = (f"{_gib(available)} available; needs ≈{_gib(need)} (weights {_gib(weights)}, "
-             f"KV cache {config.engine.kv_cache_mb} MiB, image cache "
-             f"{config.engine.image_cache_mb} MiB, runtime 0.5 GiB)")
+             f"KV cache {engine.kv_cache_mb} MiB, image cache {engine.image_cache_mb} MiB, "
+             f"session images {engine.session_image_mb} MiB, runtime 0.5 GiB)")
     why = "running out of memory gets the daemon killed or swapping mid-answer"
     if available < need:
         return Check("memory", FAIL, found, why,
@@ -356,8 +358,16 @@ def check_cache_dir(system: System, config: Config) -> Check:
         return Check("cache_dir", WARN, "model.cache_dir is not set",
                      "a compiled-model cache makes restarts reach READY much sooner",
                      "set model.cache_dir (e.g. /var/cache/qvld, CacheDirectory=qvld)")
-    return _dir_check("cache_dir", config.model.cache_dir,
-                      "OpenVINO keeps compiled models there", "CacheDirectory=qvld in the unit")
+    why = "OpenVINO keeps compiled models there"
+    check = _dir_check("cache_dir", config.model.cache_dir, why,
+                       "CacheDirectory=qvld in the unit")
+    problem = unsafe_dir(config.model.cache_dir) if check.status == OK and \
+        config.model.cache_dir.is_dir() else None
+    if problem is not None:  # the engine will not use it (see qvld/engine/model_cache.py)
+        return Check("cache_dir", WARN, f"{problem[0]}: compiled models would not be cached",
+                     why + "; a cache others can write could replace what the daemon runs",
+                     problem[1])
+    return check
 
 
 def check_tmp(system: System, config: Config) -> Check:

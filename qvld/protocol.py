@@ -147,27 +147,21 @@ def unpack(payload: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     length limits back that up for every container and string.
     """
     check_shape(payload, max_objects)
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True,
-                                max_buffer_size=max(max_frame_bytes, len(payload)),
-                                max_str_len=max_frame_bytes, max_bin_len=max_frame_bytes,
-                                max_array_len=max_objects, max_map_len=max_objects,
-                                max_ext_len=max_frame_bytes)
     try:
-        unpacker.feed(payload)
-        message = unpacker.unpack()
-    except msgpack.OutOfData as exc:
-        raise BadRequest("the frame ends inside a msgpack value") from exc
+        # unpackb reads the payload in place (an Unpacker would copy it into its buffer:
+        # one more frame-sized allocation per request).
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True,
+                               max_str_len=max_frame_bytes, max_bin_len=max_frame_bytes,
+                               max_array_len=max_objects, max_map_len=max_objects,
+                               max_ext_len=max_frame_bytes)
+    except msgpack.ExtraData as exc:
+        raise BadRequest("the frame holds more than one msgpack value") from exc
     except UnicodeDecodeError as exc:
         raise BadRequest(f"the frame holds invalid UTF-8: {exc.reason}") from exc
     except (ValueError, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+        if "incomplete input" in str(exc):
+            raise BadRequest("the frame ends inside a msgpack value") from exc
         raise BadRequest(f"the frame is not valid msgpack: {exc or type(exc).__name__}") from exc
-    try:
-        unpacker.unpack()
-    except msgpack.OutOfData:
-        return message
-    except Exception:
-        pass
-    raise BadRequest("the frame holds more than one msgpack value")
 
 
 class FrameBuffer:

@@ -145,6 +145,49 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     assert proc.stop() == 0, proc.log()
 
 
+class HealthProbe:
+    """``health`` every ``interval`` s on a connection of its own, in a thread, with each
+    answer's latency: what a monitoring probe sees while something else goes on."""
+
+    def __init__(self, daemon: Daemon, interval: float = 0.02) -> None:
+        import threading
+
+        self.daemon = daemon
+        self.interval = interval
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._probe, daemon=True)
+
+    def _probe(self) -> None:
+        with self.daemon.client(timeout=30) as client:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                client.health()
+                self.latencies.append(time.perf_counter() - t0)
+                self._stop.wait(self.interval)
+
+    def start(self) -> HealthProbe:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.latencies:
+            assert self._thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.005)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+    def summary(self) -> str:
+        return (f"health p50 {self.quantile(0.5) * 1000:.1f} ms, p99 "
+                f"{self.quantile(0.99) * 1000:.1f} ms, worst {max(self.latencies) * 1000:.0f}"
+                f" ms ({len(self.latencies)} probes)")
+
+
 # A stdlib-only client run as another user: the other uid needs nothing of this
 # checkout. It sends the given frames, then prints "<wall time> <reply hex>" for every
 # frame it receives until `finals` non-event replies have come (or the line closes).

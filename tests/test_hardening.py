@@ -28,7 +28,7 @@ from PIL import Image
 
 from qvld import protocol
 from qvld.errors import QvlError
-from tests.conftest import NOBODY, Daemon, run_as
+from tests.conftest import NOBODY, Daemon, HealthProbe, run_as
 
 MiB = 1 << 20
 pytestmark = pytest.mark.slow
@@ -47,47 +47,26 @@ class Watch:
 
     def __init__(self, daemon: Daemon) -> None:
         assert daemon.proc is not None
-        self.daemon = daemon
         self.pid = daemon.proc.pid
-        self.latencies: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._probe, daemon=True)
-
-    def _probe(self) -> None:
-        with self.daemon.client(timeout=30) as client:
-            while not self._stop.is_set():
-                t0 = time.perf_counter()
-                client.health()
-                self.latencies.append(time.perf_counter() - t0)
-                self._stop.wait(0.02)
+        self.probe = HealthProbe(daemon)
 
     def __enter__(self) -> Watch:
         Path(f"/proc/{self.pid}/clear_refs").write_text("5")  # resets VmHWM to VmRSS
         self.rss0 = _status(self.pid, "VmRSS")
-        self._thread.start()
-        while not self.latencies:
-            time.sleep(0.005)
+        self.probe.start()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._stop.set()
-        self._thread.join(30)
+        self.probe.stop()
         self.peak_mib = (_status(self.pid, "VmHWM") - self.rss0) / 1024
 
     @property
     def worst_s(self) -> float:
-        return max(self.latencies)
-
-    @property
-    def p99_s(self) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+        return max(self.probe.latencies)
 
     def report(self, name: str, answer: str) -> str:
-        line = (f"{name}: {answer}; peak RSS +{self.peak_mib:.0f} MiB; health worst "
-                f"{self.worst_s * 1000:.0f} ms, p99 {self.p99_s * 1000:.0f} ms "
-                f"({len(self.latencies)} probes)")
+        line = f"{name}: {answer}; peak RSS +{self.peak_mib:.0f} MiB; {self.probe.summary()}"
         print(line)
         return line
 
@@ -138,7 +117,12 @@ def target(shared: Path) -> Iterator[tuple[Daemon, int]]:
     daemon = Daemon(shared, metrics_listen=f"127.0.0.1:{port}", args=[
         "--set", "server.socket_mode=0666", "--set", f"server.allow_uids=[{NOBODY}]",
         "--set", "server.idle_timeout_s=2", "--set", "engine.max_new_tokens=4000"]).start()
+    # Throughout the catalogue, as a monitor would see it.
+    probe = HealthProbe(daemon, interval=0.05).start()
     yield daemon, port
+    probe.stop()
+    print(f"\nthroughout the round-2 catalogue: {probe.summary()}")
+    assert probe.quantile(0.99) < 0.1
     assert daemon.proc is not None and daemon.proc.poll() is None, "the daemon died"
     assert daemon.stop() == 0
     assert "Traceback" not in daemon.log()

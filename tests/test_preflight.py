@@ -242,3 +242,25 @@ def test_model_and_runtime_checks_follow_the_backend(tmp_path: Path,
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     check = by_id(run_checks(onnx_cfg, system))["python"]
     assert check.status == "fail" and "qvld[onnxruntime]" in check.remedy
+
+
+def test_a_cache_dir_others_can_write_is_a_warning_with_the_remedy(tmp_path: Path) -> None:
+    system = System(root=build_tree(tmp_path / "root", 1, 4, 1, SERVER_FLAGS, mem_gib=64))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o777)  # the engine refuses it (a blob could be replaced under it)
+    check = by_id(run_checks(config(**{"model.cache_dir": str(cache)}), system))["cache_dir"]
+    assert check.status == "warn" and "writable by others" in check.found
+    assert "chmod" in check.remedy
+    cache.chmod(0o755)
+    check = by_id(run_checks(config(**{"model.cache_dir": str(cache)}), system))["cache_dir"]
+    assert check.status == "ok"
+
+
+def test_memory_counts_the_session_image_budget(tmp_path: Path) -> None:
+    system = System(root=build_tree(tmp_path, 1, 4, 1, SERVER_FLAGS, mem_gib=64))
+    small = by_id(run_checks(config(**{"engine.session_image_mb": "0"}), system))["memory"]
+    large = by_id(run_checks(config(**{"engine.session_image_mb": "4096"}), system))["memory"]
+    assert "session images 4096 MiB" in large.found
+    needs = [float(c.found.split("needs ≈")[1].split()[0]) for c in (small, large)]
+    assert needs[1] - needs[0] == pytest.approx(4.0, abs=0.05)
