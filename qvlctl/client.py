@@ -11,6 +11,7 @@ socket this user may not open raises ``AccessDenied`` with what to do about it.
 
 from __future__ import annotations
 
+import collections
 import grp
 import itertools
 import os
@@ -24,6 +25,7 @@ from typing import Any
 from qvlctl import replies
 from qvlctl.replies import MalformedReply
 from qvld import protocol
+from qvld.errors import QvlError
 
 __all__ = ["DEFAULT_SOCKET", "AccessDenied", "Client", "ConnectFailed", "MalformedReply",
            "default_socket"]
@@ -84,6 +86,9 @@ class Client:
         self.max_frame_bytes = max_frame_bytes
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
+        # Replies are read in chunks and cut into frames by the protocol's own reader.
+        self._buffer = protocol.FrameBuffer(max_frame_bytes)
+        self._frames: collections.deque[bytes] = collections.deque()
 
     def __enter__(self) -> Client:
         self.connect()
@@ -116,14 +121,17 @@ class Client:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._buffer = protocol.FrameBuffer(self.max_frame_bytes)
+        self._frames.clear()
 
     def _reconnect_if_closed(self) -> None:
         """Between requests, a line the daemon closed (it closes idle connections after
         server.idle_timeout_s, e.g. while a chat user thinks) is opened again, so a
         long-lived client never sees the idle timeout."""
         sock = self._sock
-        if sock is None or not select.select([sock], [], [], 0)[0]:
-            return  # nothing to read: still open
+        if sock is None or self._frames or self._buffer.pending or \
+                not select.select([sock], [], [], 0)[0]:
+            return  # nothing to read (or a reply still to take): still open
         try:
             closed = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except (ConnectionResetError, BlockingIOError):
@@ -139,22 +147,18 @@ class Client:
         assert self._sock is not None
         self._sock.sendall(protocol.pack(message))
 
-    def _recv_exactly(self, n: int) -> bytes:
-        assert self._sock is not None
-        chunks = []
-        while n:
-            chunk = self._sock.recv(min(n, 1 << 20))
-            if not chunk:
-                raise ConnectionError("the daemon closed the connection")
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
-
     def receive(self) -> dict[str, Any]:
         """The next reply map (``MalformedReply`` if the frame is not one)."""
-        length = replies.frame_length(self._recv_exactly(protocol.HEADER.size),
-                                      self.max_frame_bytes)
-        return replies.decode(self._recv_exactly(length), self.max_frame_bytes)
+        assert self._sock is not None
+        while not self._frames:
+            chunk = self._sock.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError("the daemon closed the connection")
+            try:
+                self._frames.extend(self._buffer.feed(chunk))
+            except QvlError as exc:  # frame_too_large: the daemon's frame, not the request
+                raise MalformedReply(exc.message) from None
+        return replies.decode(self._frames.popleft(), self.max_frame_bytes)
 
     # -- requests -------------------------------------------------------------------
 

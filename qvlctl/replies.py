@@ -39,17 +39,14 @@ def _kind(value: Any) -> str:
 # -- frames ---------------------------------------------------------------------------
 
 
-def frame_length(header: bytes, max_frame_bytes: int) -> int:
-    try:
-        return protocol.frame_length(header, max_frame_bytes)
-    except QvlError as exc:  # frame_too_large: the protocol module speaks as a server
-        raise MalformedReply(exc.message) from None
+REPLY_MAX_OBJECTS = 1 << 24
 
 
 def decode(payload: bytes, max_frame_bytes: int) -> dict[str, Any]:
     """One frame's payload -> a reply map."""
     try:
-        message = protocol.unpack(payload, max_frame_bytes)
+        # A reply may hold more values than a request may (token ids, sessions).
+        message = protocol.unpack(payload, max_frame_bytes, max_objects=REPLY_MAX_OBJECTS)
     except QvlError as exc:  # bad_request would blame the user's request: it is the reply
         raise MalformedReply(exc.message) from None
     if not isinstance(message, dict):

@@ -22,15 +22,14 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from openvino import __version__ as _openvino_version
 from prometheus_client import CollectorRegistry
 
-from qvld import __version__, tuning
-from qvld.config import Config, load_config, with_systemd_cache_dir
+from qvld import __version__, protocol, tuning
+from qvld.config import Config, iter_keys, load_config
 from qvld.engine import Engine
 from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
-from qvld.metrics import Exporter, Metrics, op_label
+from qvld.metrics import Exporter, Metrics
 from qvld.preflight import report, run_checks
 from qvld.prepare import PrepareStage
 from qvld.scheduler import Scheduler
@@ -40,7 +39,12 @@ from qvld.systemd import Notifier, listen_fds
 log = logging.getLogger("qvld")
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 78
-RESTART_KEYS = ("server.socket", "server.socket_mode")
+# What a reload cannot change in a running daemon: the listening socket, the metrics
+# listener, the tuning applied at start-up, and the number of worker threads. Everything
+# else is applied (each component's reconfigure, or a new engine).
+RESTART_KEYS = ("server.socket", "server.socket_mode", "metrics.listen",
+                "engine.infer_requests",
+                *(key for key in iter_keys() if key.startswith("tuning.")))
 
 
 class _JsonFormatter(logging.Formatter):
@@ -81,10 +85,6 @@ def setup_logging(config: Config) -> None:
     root.propagate = False
 
 
-def openvino_version() -> str:
-    return str(_openvino_version).split("-")[0]
-
-
 def _model_fingerprint(path: Path | None) -> tuple[tuple[str, int, int], ...]:
     """Name, size and modification time of each file of a model directory."""
     if path is None or not path.is_dir():
@@ -102,6 +102,17 @@ def _changed(old: Config, new: Config, key: str) -> bool:
     return bool(getattr(getattr(old, section), name) != getattr(getattr(new, section), name))
 
 
+def _keep(old: Config, new: Config, keys: list[str]) -> Config:
+    """``new`` with ``keys`` as they are in ``old``: the configuration in effect."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key in keys:
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = getattr(getattr(old, section), name)
+    return new.model_copy(update={
+        section: getattr(new, section).model_copy(update=values)
+        for section, values in sections.items()})
+
+
 class App:
     def __init__(self, config: Config, config_path: Path | None = None,
                  overrides: list[str] | None = None, notifier: Notifier | None = None) -> None:
@@ -111,7 +122,7 @@ class App:
         self.notifier = notifier or Notifier()
         self.state = DaemonState(config)
         self.scheduler = Scheduler(config.engine.infer_requests, config.server.queue_max,
-                                   config.engine.kv_cache_mb << 20 or None)
+                                   config.engine.kv_admission_bytes)
         self.server: Server | None = None
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
@@ -140,7 +151,7 @@ class App:
 
     def _load_engine(self, config: Config) -> Engine:
         t0 = time.perf_counter()
-        engine = Engine(with_systemd_cache_dir(config))
+        engine = Engine(config)
         log.info("model %s compiled in %.1f s (%s)", engine.spec.path, engine.load_s,
                  ", ".join(f"{k}={v}" for k, v in engine.models.runtime_properties.items()))
         if config.model.warmup:
@@ -148,14 +159,15 @@ class App:
             engine.warmup()
         ready_s = time.perf_counter() - t0
         log.info("model ready in %.1f s", ready_s)
-        self.metrics.set_model(__version__, openvino_version(), engine.spec.name,
+        name, version = engine.runtime
+        self.metrics.set_model(__version__, name, version, engine.spec.name,
                                engine.models.runtime_properties["INFERENCE_PRECISION_HINT"],
-                               ready_s, config.model.backend)
+                               ready_s)
         return engine
 
     def _preflight_and_tune(self) -> None:
         """Check the system, apply tuning, and let the engine's threads follow the pins."""
-        checks = run_checks(with_systemd_cache_dir(self.config))
+        checks = run_checks(self.config)
         actions, cpus = tuning.apply(self.config)
         self.preflight = report(checks, [a.to_dict() for a in actions])
         self.metrics.set_preflight(self.preflight["checks"])
@@ -180,7 +192,7 @@ class App:
     def _on_reply(self, op: object, outcome: str, seconds: float, uid: int) -> None:
         self.metrics.observe_request(op, outcome, seconds)
         if outcome not in ("ok", "cancelled"):
-            self.last_errors.append({"at": round(time.time(), 3), "op": op_label(op),
+            self.last_errors.append({"at": round(time.time(), 3), "op": protocol.op_label(op),
                                      "code": outcome, "uid": uid})
 
     def status_details(self, viewer: int | None = None) -> dict[str, Any]:
@@ -199,14 +211,14 @@ class App:
             "preflight": {c["id"]: c["status"] for c in self.preflight["checks"]}}
         engine = self.state.engine
         if engine is not None:
-            images = engine.images.stats()
+            stats = engine.stats()
+            images, sessions = stats["image_cache"], stats["sessions"]
             lookups = images["hits"] + images["misses"]
-            sessions = engine.sessions.stats()
             details["caches"] = {
                 "image": {**images, "hit_ratio": round(images["hits"] / lookups, 3)
                           if lookups else None},
-                "kv_cached_tokens": engine.pool.cached_tokens(),
-                "kv_budget_tokens": engine.pool.budget_tokens,
+                "kv_cached_tokens": stats["kv_cached_tokens"],
+                "kv_budget_tokens": stats["kv_budget_tokens"],
                 "sessions": sessions["entries"],
                 # history ids and the raw image bytes kept for rebuilding histories
                 "sessions_bytes": sessions["bytes"],
@@ -242,6 +254,8 @@ class App:
             try:
                 config = self._threads_follow_pins(load_config(self.config_path,
                                                                self.overrides))
+                restart = [key for key in RESTART_KEYS if _changed(self.config, config, key)]
+                config = _keep(self.config, config, restart)
                 if old_engine is not None and self._same_model(config):
                     engine = old_engine
                 else:
@@ -257,25 +271,20 @@ class App:
             if self.state.state == "draining":
                 log.info("reload finished while draining: not applied")
                 return {"reloaded": False, "error": "the daemon is draining"}
-            restart = [key for key in RESTART_KEYS if _changed(self.config, config, key)]
             for key in restart:
                 log.warning("%s changed: it takes effect only after a restart", key)
-            keep = {"socket": self.config.server.socket,
-                    "socket_mode": self.config.server.socket_mode}
-            self.config = config.model_copy(update={
-                "server": config.server.model_copy(update=keep)})
-            self.state.config = self.config
+            self.config = config
+            self.state.config = config
             if old_engine is not None and engine is not old_engine:
                 engine.sessions.inherit(old_engine.sessions)  # their follow-ups say reset
             self.state.engine = engine  # running jobs finish on the engine they started on
             self._model_files = _model_fingerprint(config.model.path)
-            self.scheduler.queue_max = config.server.queue_max
-            self.scheduler.kv_budget_bytes = config.engine.kv_cache_mb << 20 or None
+            self.scheduler.reconfigure(config)
             if self.prepare_stage is not None:
-                self.prepare_stage.queue_max = config.server.queue_max
+                self.prepare_stage.reconfigure(config)
             if self.server is not None:
-                self.server.reconfigure(self.config.server)
-            setup_logging(self.config)
+                self.server.reconfigure(config.server)
+            setup_logging(config)
             self.state.state = "ready"
             self.notifier.ready(f"ready: {engine.spec.name}")
             reloaded_model = engine is not old_engine
@@ -294,11 +303,7 @@ class App:
 
     def _infer_stuck(self, bound_s: float) -> bool:
         engine = self.state.engine
-        if engine is None:
-            return False
-        now = time.monotonic()
-        return any(slot.busy_since is not None and now - slot.busy_since > bound_s
-                   for slot in engine.pool.slots)
+        return engine is not None and engine.infer_stuck(bound_s)
 
     async def _watchdog(self, interval_s: float) -> None:
         """WATCHDOG=1 only while this loop runs and no infer call overran its bound."""

@@ -10,13 +10,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from qvld import __version__
+from qvld import __version__, protocol
 from qvld.config import (
     Config,
     ConfigError,
     default_config_path,
     load_config,
-    with_systemd_cache_dir,
 )
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
@@ -84,7 +83,7 @@ def check_config(config: Config) -> int:
         print("qvld: configuration is valid, but model.path is not set", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        spec = load_model_spec(config.model.path)
+        spec = load_model_spec(config.model.path, config.model.backend)
     except ModelInvalid as exc:
         print(f"qvld: model: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -96,7 +95,7 @@ def preflight(config: Config, as_json: bool, textfile: Path | None) -> int:
     from qvld import preflight as checks
     from qvld import tuning
 
-    results = checks.run_checks(with_systemd_cache_dir(config))
+    results = checks.run_checks(config)
     plan = [a.to_dict() for a in tuning.dry_run(config)]
     document = checks.report(results, plan)
     if textfile is not None:
@@ -106,12 +105,7 @@ def preflight(config: Config, as_json: bool, textfile: Path | None) -> int:
     if as_json:
         print(json.dumps(document, indent=2))
     else:
-        for check in results:
-            print(f"{check.status:<5} {check.id:<13} {check.found}")
-            if check.remedy and check.status in ("warn", "fail"):
-                print(f"      {'':<13} remedy: {check.remedy}")
-        for action in plan:
-            print(f"tuning {action['action']}: {action['detail']}")
+        print("\n".join(protocol.preflight_lines(document)))
     return EXIT_OK if document["ok"] else EXIT_FAILURE
 
 

@@ -16,7 +16,7 @@ import re
 import socket
 import threading
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -134,6 +134,21 @@ class EngineConfig(_Section):
         if self.default_max_tokens > self.max_new_tokens:
             raise ValueError("default_max_tokens must not exceed max_new_tokens")
         return self
+
+    # Budgets derived from kv_cache_mb here, once, each with one meaning (the scheduler
+    # and the engine used to read 0 in two ways).
+
+    @property
+    def kv_admission_bytes(self) -> int | None:
+        """KV-cache bytes the admitted generations may reserve together; None: no limit
+        (kv_cache_mb 0)."""
+        return self.kv_cache_mb << 20 or None
+
+    @property
+    def kv_retained_bytes(self) -> int:
+        """KV-cache bytes idle infer requests keep as a prefix cache (kv_cache_mb 0:
+        none; a finished generation's cache is dropped)."""
+        return self.kv_cache_mb << 20
 
 
 class ServerConfig(_Section):
@@ -312,8 +327,10 @@ def _field(path: Sequence[str]) -> tuple[Any, int, list[str]]:
     return annotation, -1, []
 
 
-def _did_you_mean(name: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1)
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or nothing (config keys
+    and request params alike)."""
+    close = difflib.get_close_matches(name, sorted(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -336,7 +353,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         if annotation is not None:
             raise ConfigError([f"--set {key}: name a key inside the section, e.g. {key}.KEY"])
         what = "section" if bad == 0 else "key"
-        hint = _did_you_mean(path[bad], choices)
+        hint = did_you_mean(path[bad], choices)
         raise ConfigError([f"--set {key}: unknown {what} {path[bad]!r}{hint}"])
     if text == "":
         return path, None
@@ -356,7 +373,7 @@ def _describe(errors: Sequence[Any]) -> list[str]:
         annotation, bad, choices = _field(loc)
         if error["type"] == "extra_forbidden":
             key = ".".join(loc)
-            lines.setdefault(key, []).append(f"unknown key{_did_you_mean(loc[-1], choices)}")
+            lines.setdefault(key, []).append(f"unknown key{did_you_mean(loc[-1], choices)}")
             continue
         if annotation is None and bad > 0:  # a union member's tag, such as 'int'
             loc = loc[:bad]
@@ -397,8 +414,12 @@ def default_config_path() -> Path | None:
     return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None
 
 
-def load_config(path: Path | None, overrides: Sequence[str] = ()) -> Config:
-    """Read ``path`` (None: defaults only), apply overrides, validate; all errors at once."""
+def load_config(path: Path | None, overrides: Sequence[str] = (),
+                environ: Mapping[str, str] | None = None) -> Config:
+    """Read ``path`` (None: defaults only), apply overrides, validate; all errors at once.
+
+    The result is the effective configuration, the one place where the environment
+    counts: systemd's CacheDirectory= fills an unset model.cache_dir."""
     raw: dict[str, Any] = read_config_file(path) if path is not None else {}
     errors: list[str] = []
     for item in overrides:
@@ -419,7 +440,7 @@ def load_config(path: Path | None, overrides: Sequence[str] = ()) -> Config:
         errors.extend(exc.errors)
     if errors:
         raise ConfigError(errors)
-    return config
+    return with_systemd_cache_dir(config, environ)
 
 
 def iter_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:

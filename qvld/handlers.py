@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import difflib
-import math
 import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import openvino
-
 from qvld import __version__, protocol
 from qvld.config import Config
-from qvld.engine import Engine, GenerateRequest
-from qvld.engine.engine import PrepareStopped
+from qvld.engine import Engine
+from qvld.engine.prompts import PrepareStopped
+from qvld.engine.request import parse_deadline, parse_generate
 from qvld.errors import BadRequest, Forbidden, Timeout, Unavailable, UnsupportedVersion
 from qvld.metrics import Metrics
 from qvld.prepare import PrepareCancelled, PrepareStage
@@ -28,13 +25,6 @@ ADMIN_ONLY_CONFIG = (("server", "allow_uids"), ("server", "allow_groups"),
                      ("server", "admin_groups"), ("server", "socket"),
                      ("model", "path"), ("model", "cache_dir"))
 HIDDEN = "<hidden>"
-
-GENERATE_PARAMS = {
-    "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
-    "presence_penalty", "seed", "stop", "session", "stream", "deadline_s", "ignore_eos",
-    "max_image_tokens",
-}
-
 
 @dataclass
 class DaemonState:
@@ -72,80 +62,11 @@ def _int(params: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _number(params: dict[str, Any], key: str) -> float | None:
-    """A finite number: NaN fails every comparison, so a NaN deadline would never pass
-    and a NaN sampling parameter would slip through range checks."""
-    value = params.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise BadRequest(f"{key} must be a number")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
-        raise BadRequest(f"{key} must be a finite number")
-    return number
-
-
-def parse_deadline(params: dict[str, Any]) -> float | None:
-    """``deadline_s``: seconds, > 0 (capped by server.request_timeout_s by the caller)."""
-    deadline_s = _number(params, "deadline_s")
-    if deadline_s is not None and deadline_s <= 0:
-        raise BadRequest("deadline_s must be > 0")
-    return deadline_s
-
-
 def _bool(params: dict[str, Any], key: str) -> bool:
     value = params.get(key, False)
     if not isinstance(value, bool):
         raise BadRequest(f"{key} must be true or false")
     return value
-
-
-def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
-    """``generate`` params -> an engine request and whether to stream."""
-    unknown = set(params) - GENERATE_PARAMS
-    if unknown:
-        name = sorted(unknown)[0]
-        close = difflib.get_close_matches(name, sorted(GENERATE_PARAMS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise BadRequest(f"unknown generate param {name!r}{hint}")
-    stop = params.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a list of strings")
-    if len(stop) > protocol.MAX_STOP_STRINGS or any(
-            len(s.encode()) > protocol.MAX_STOP_BYTES for s in stop):
-        raise BadRequest(f"at most {protocol.MAX_STOP_STRINGS} stop strings of at most "
-                         f"{protocol.MAX_STOP_BYTES} bytes")
-    session = params.get("session")
-    if session is not None and (not isinstance(session, str)
-                                or not protocol.SESSION_ID.fullmatch(session)):
-        raise BadRequest("session must be 1-128 characters of [A-Za-z0-9._-]")
-    seed = _int(params, "seed")
-    parse_deadline(params)
-    request = GenerateRequest(
-        messages=params.get("messages"),  # type: ignore[arg-type]  # the engine checks it
-        max_tokens=_int(params, "max_tokens"),
-        temperature=_number(params, "temperature"),
-        top_p=_number(params, "top_p"),
-        top_k=_int(params, "top_k"),
-        repetition_penalty=_number(params, "repetition_penalty"),
-        presence_penalty=_number(params, "presence_penalty") or 0.0,
-        seed=seed,
-        stop=stop,
-        ignore_eos=_bool(params, "ignore_eos"),
-        max_image_tokens=_int(params, "max_image_tokens"),
-        session=session,
-    )
-    if seed is not None and not 0 <= seed < 2 ** 63:
-        raise BadRequest("seed must be within [0, 2^63)")
-    return request, _bool(params, "stream")
 
 
 class Handlers:
@@ -219,7 +140,6 @@ class Handlers:
             "state": state.state,
             "ready": state.ready,
             "version": __version__,
-            "openvino": openvino.__version__,
             "pid": os.getpid(),
             "uptime_s": round(time.monotonic() - state.started, 3),
             "requests_total": state.requests_total,
@@ -231,14 +151,11 @@ class Handlers:
         if self.extra_status is not None:  # a non-admin sees only their own requests
             result.update(self.extra_status(None if admin else ctx.peer.uid))
         if engine is not None:
+            stats = engine.stats()
             result["model"] = {
-                "name": engine.spec.name,
-                "path": str(engine.spec.path) if admin else HIDDEN,
-                "load_s": round(engine.load_s, 3),
-                "runtime": engine.models.runtime_properties,
-                "infer_requests": len(engine.pool.slots),
-                "max_context_tokens": engine.max_context,
-            }
+                "name": stats["name"], "path": stats["path"] if admin else HIDDEN,
+                **{key: stats[key] for key in ("load_s", "runtime", "infer_requests",
+                                               "max_context_tokens")}}
         return result
 
     async def config(self, ctx: RequestContext) -> dict[str, Any]:
@@ -252,26 +169,28 @@ class Handlers:
 
     async def generate(self, ctx: RequestContext) -> dict[str, Any]:
         request, stream = parse_generate(ctx.request.params)
-        request.uid = ctx.peer.uid
+        uid = ctx.peer.uid
         limit = self.state.config.server.request_timeout_s
         deadline_s = parse_deadline(ctx.request.params)
         timeout = min(deadline_s or limit, limit)
         job_deadline = time.monotonic() + timeout
         # A request that woke the daemon (socket activation) waits for the model.
         engine = await self.state.wait_engine(timeout)
+
         def stop_preparing() -> bool:
             return ctx.cancelled.is_set() or time.monotonic() >= job_deadline
 
         ticket = self.prepare_stage.submit(
-            ctx.peer.uid, lambda: engine.prepare(request, stop_preparing), job_deadline)
+            uid, lambda: engine.prepare(request, uid, stop_preparing), job_deadline)
         ctx.on_cancel.append(lambda: self.prepare_stage.cancel(ticket))
         if ctx.cancelled.is_set():
             self.prepare_stage.cancel(ticket)
         try:
             prepared = await self.prepare_stage.result(ticket)
         except (PrepareCancelled, PrepareStopped, Timeout) as exc:
-            if ctx.cancelled.is_set():
-                return cancelled_result().to_dict()  # the client left or cancelled it
+            if ctx.cancelled.is_set():  # the client left or cancelled it
+                ctx.outcome = "cancelled"
+                return cancelled_result().to_dict()
             if isinstance(exc, PrepareStopped):
                 raise Timeout("the deadline passed while the request's images were "
                               f"decoded ({exc})") from None
@@ -281,10 +200,10 @@ class Handlers:
         def on_token(text: str, ids: list[int]) -> None:
             ctx.send_event(protocol.token_event(rid, text, ids))
 
-        job = Job(uid=ctx.peer.uid, deadline=job_deadline, cancelled=ctx.cancelled,
+        job = Job(uid=uid, deadline=job_deadline, cancelled=ctx.cancelled,
                   kv_bytes=engine.kv_bytes(prepared.max_total_tokens),
-                  run=lambda job: engine.run(prepared, on_token if stream else None))
-        request.should_stop = job.should_stop
+                  run=lambda job: engine.run(prepared, on_token if stream else None,
+                                             job.should_stop))
         ctx.on_cancel.append(lambda: self.scheduler.cancel(job))
         if ctx.cancelled.is_set():  # the client left while the request was prepared
             self.scheduler.cancel(job)
@@ -301,6 +220,8 @@ class Handlers:
             queue=f"{t.queue_s:.3f}s", ttft=f"{t.ttft_s:.3f}s", decode=f"{t.decode_s:.3f}s")
         if self.state.config.logging.log_prompts:
             ctx.log_fields["prompt_text"] = repr(_prompt_text(request.messages))
+        if result.finish_reason == "cancelled":
+            ctx.outcome = "cancelled"
         return result.to_dict()
 
     async def cancel(self, ctx: RequestContext) -> dict[str, Any]:

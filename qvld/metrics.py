@@ -37,8 +37,6 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.
 OUTCOMES = ("ok", "cancelled", *ERRORS_BY_CODE)
 
 
-def op_label(op: object) -> str:
-    return op if isinstance(op, str) and op in protocol.OPS else "unknown"
 
 
 def outcome_label(outcome: str) -> str:
@@ -95,8 +93,8 @@ class Metrics:
         self.ready = Gauge("qvld_ready", "1 when the daemon serves generations.",
                            registry=registry)
         self.build_info = Gauge("qvld_build_info", "Version, runtime and model.",
-                                ("version", "openvino", "model", "precision", "backend"),
-                                registry=registry)
+                                ("version", "backend", "runtime_version", "model",
+                                 "precision"), registry=registry)
         self.preflight = Gauge("qvld_preflight_check",
                                "Preflight checks: 1 for the status each check has.",
                                ("check", "status"), registry=registry)
@@ -113,7 +111,7 @@ class Metrics:
         self.sessions_active.set_function(sessions)
 
     def observe_request(self, op: object, outcome: str, seconds: float) -> None:
-        label = op_label(op)
+        label = protocol.op_label(op)
         self.requests.labels(label, outcome_label(outcome)).inc()
         self.request_duration.labels(label).observe(seconds)
 
@@ -135,10 +133,12 @@ class Metrics:
         if usage.cached_tokens:
             self.session_cache_hits.inc()
 
-    def set_model(self, version: str, openvino: str, model: str, precision: str,
-                  load_s: float, backend: str = "openvino") -> None:
+    def set_model(self, version: str, backend: str, runtime_version: str, model: str,
+                  precision: str, load_s: float) -> None:
+        """The model being served: ``backend`` is the runtime that runs it (openvino,
+        onnxruntime), ``runtime_version`` that runtime's version."""
         self.build_info.clear()
-        self.build_info.labels(version, openvino, model, precision, backend).set(1)
+        self.build_info.labels(version, backend, runtime_version, model, precision).set(1)
         self.model_load.set(load_s)
 
     def set_preflight(self, checks: list[dict[str, Any]]) -> None:

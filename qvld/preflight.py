@@ -4,19 +4,21 @@ root for /proc and /sys, and the limits), so tests feed recorded trees."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import re
-import resource
 import shutil
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from qvld.config import Config
 from qvld.engine.model_cache import unsafe_dir
+from qvld.system import System, choose_node
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
 
@@ -31,78 +33,6 @@ class Check:
 
     def to_dict(self) -> dict[str, str]:
         return asdict(self)
-
-
-@dataclass
-class System:
-    """Where the facts come from: the real machine by default."""
-
-    root: Path = Path("/")
-    nofile: Callable[[], tuple[int, int]] = field(
-        default=lambda: resource.getrlimit(resource.RLIMIT_NOFILE))
-
-    def read(self, path: str) -> str | None:
-        try:
-            return (self.root / path.lstrip("/")).read_text(errors="replace")
-        except OSError:
-            return None
-
-    def glob(self, pattern: str) -> list[Path]:
-        return sorted(self.root.glob(pattern.lstrip("/")),
-                      key=lambda p: [int(n) if n.isdigit() else n
-                                     for n in re.split(r"(\d+)", str(p))])
-
-    # -- derived facts ------------------------------------------------------------------
-
-    def cpu_flags(self) -> set[str]:
-        text = self.read("/proc/cpuinfo") or ""
-        match = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
-        return set(match.group(1).split()) if match else set()
-
-    def cpu_model(self) -> str:
-        match = re.search(r"^model name\s*:\s*(.*)$", self.read("/proc/cpuinfo") or "",
-                          re.MULTILINE)
-        return match.group(1).strip() if match else "unknown CPU"
-
-    def topology(self) -> list[tuple[int, int, int]]:
-        """(cpu, package, core) for every online CPU."""
-        cpus = []
-        for path in self.glob("/sys/devices/system/cpu/cpu[0-9]*"):
-            cpu = int(path.name[3:])
-            package = self.read(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id")
-            core = self.read(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id")
-            if package is None or core is None:
-                continue
-            cpus.append((cpu, int(package), int(core)))
-        return cpus
-
-    def numa_nodes(self) -> dict[int, list[int]]:
-        nodes = {}
-        for path in self.glob("/sys/devices/system/node/node[0-9]*"):
-            cpulist = self.read(f"/sys/devices/system/node/{path.name}/cpulist")
-            if cpulist is not None:
-                nodes[int(path.name[4:])] = parse_cpu_list(cpulist)
-        return nodes
-
-    def meminfo(self) -> dict[str, int]:
-        values = {}
-        for line in (self.read("/proc/meminfo") or "").splitlines():
-            key, _, rest = line.partition(":")
-            number = rest.split()
-            if number and number[0].isdigit():
-                values[key] = int(number[0]) * 1024
-        return values
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]."""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
 
 
 def _gib(n: float) -> str:
@@ -184,7 +114,6 @@ def check_numa(system: System, config: Config) -> Check:
     nodes = system.numa_nodes()
     if not nodes:
         return Check("numa", NA, "no NUMA information in /sys", "")
-    from qvld.tuning import choose_node
 
     node = choose_node(system, config)
     listing = "; ".join(f"node{n}: {len(c)} CPUs" for n, c in nodes.items())
@@ -271,24 +200,25 @@ def check_thp(system: System, config: Config) -> Check:
     return Check("thp", OK, mode, why)
 
 
+# The runtime model.backend names: its distribution, and how to install it.
+RUNTIMES = {"openvino": ("openvino", "the engine runs on OpenVINO",
+                         "pip install openvino==2026.4.1"),
+            "onnxruntime": ("onnxruntime", "model.backend is onnxruntime",
+                            "pip install 'qvld[onnxruntime]' (onnxruntime==1.32.0)")}
+
+
 def check_python(system: System, config: Config) -> Check:
+    """The configured backend's runtime is installed, by its package metadata: the check
+    never loads a runtime (with the ONNX backend, the daemon never loads OpenVINO)."""
     version = ".".join(map(str, sys.version_info[:3]))
+    name, why, remedy = RUNTIMES[config.model.backend]
     try:
-        import openvino
-    except ImportError:
-        return Check("python", FAIL, f"Python {version}, openvino missing",
-                     "the engine runs on OpenVINO", "pip install openvino==2026.4.1")
-    ov = str(openvino.__version__).split("-")[0]
-    if config.model.backend == "onnxruntime":
-        try:
-            import onnxruntime
-        except ImportError:
-            return Check("python", FAIL, f"Python {version}, onnxruntime missing",
-                         "model.backend is onnxruntime",
-                         "pip install 'qvld[onnxruntime]' (onnxruntime==1.32.0)")
-        return Check("python", OK, f"Python {version}, onnxruntime {onnxruntime.__version__}",
-                     "the runtime versions decide the kernels used")
-    return Check("python", OK, f"Python {version}, openvino {ov}",
+        if importlib.util.find_spec(name) is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        runtime = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return Check("python", FAIL, f"Python {version}, {name} missing", why, remedy)
+    return Check("python", OK, f"Python {version}, {name} {runtime}",
                  "the runtime versions decide the kernels used")
 
 

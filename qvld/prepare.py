@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from qvld.config import Config
 from qvld.errors import Busy, Timeout, Unavailable
 from qvld.fairqueue import FairQueue, settle_threadsafe
 
@@ -54,6 +55,11 @@ class PrepareStage:
                                           daemon=True) for i in range(workers)]
         for thread in self._threads:
             thread.start()
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload's queue bound."""
+        with self._lock:
+            self.queue_max = config.server.queue_max
 
     @property
     def waiting(self) -> int:

@@ -165,7 +165,9 @@ def unpack(payload: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 
 
 class FrameBuffer:
-    """Incremental reader for a byte stream: ``feed`` bytes, take complete payloads."""
+    """Incremental reader for a byte stream: ``feed`` bytes, take complete payloads (the
+    client's reader; the server reads a header, then exactly the frame, with the same
+    ``frame_length`` rule, so that it can bound what it holds before the bytes arrive)."""
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.max_frame_bytes = max_frame_bytes
@@ -187,6 +189,26 @@ class FrameBuffer:
     def pending(self) -> int:
         """Bytes of an incomplete frame held (0 between frames)."""
         return len(self._buf)
+
+
+def preflight_lines(report: dict[str, Any]) -> list[str]:
+    """The ``preflight`` result (``{ok, checks, tuning}``) as text, one check a line with
+    its remedy under a warning or failure: `qvld preflight` and `qvlctl preflight` alike."""
+    lines = []
+    for check in report["checks"]:
+        lines.append(f"{check['status']:<5} {check['id']:<13} {check['found']}")
+        if check.get("remedy") and check["status"] in ("warn", "fail"):
+            lines.append(f"      {'':<13} remedy: {check['remedy']}")
+    for action in report["tuning"]:
+        result = f"{action['result']}: " if action.get("result") else ""
+        lines.append(f"tuning {action['action']}: {result}{action['detail']}")
+    return lines
+
+
+def op_label(op: object) -> str:
+    """What logs and metrics call an op: a known one, else "unknown" (a client's string
+    never becomes a label or log field of its own)."""
+    return op if isinstance(op, str) and op in OPS else "unknown"
 
 
 def request_id(message: Any) -> int | None:

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qvld.engine.types import GenerateResult, Timings, TokenCallback, Usage
+from qvld.config import Config
+from qvld.engine.types import GenerateResult, Timings, Usage
 from qvld.errors import BadRequest, Busy, QvlError, Timeout, Unavailable
 from qvld.fairqueue import FairQueue, settle_threadsafe
 
@@ -34,7 +35,6 @@ class Job:
     run: Callable[[Job], GenerateResult]
     deadline: float  # time.monotonic()
     kv_bytes: int = 0
-    on_token: TokenCallback | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
     started: float | None = None
@@ -67,6 +67,12 @@ class Scheduler:
                                           daemon=True) for i in range(workers)]
         for thread in self._threads:
             thread.start()
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload's limits (the number of workers needs a restart)."""
+        with self._lock:
+            self.queue_max = config.server.queue_max
+            self.kv_budget_bytes = config.engine.kv_admission_bytes
 
     # -- queries ----------------------------------------------------------------------
 

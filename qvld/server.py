@@ -120,6 +120,8 @@ class RequestContext:
     arrived: float = field(default_factory=time.monotonic)
     # What the request log line says besides op, outcome and duration.
     log_fields: dict[str, Any] = field(default_factory=dict)
+    # Set by a handler whose successful reply is not plainly "ok" (e.g. "cancelled").
+    outcome: str | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -329,7 +331,7 @@ class Server:
         log.log(logging.INFO if outcome in ("ok", "cancelled") else logging.WARNING,
                 "request %d/%s uid=%d op=%s outcome=%s time=%.3fs%s", conn.number,
                 "-" if rid is None else rid, conn.peer.uid,
-                op if isinstance(op, str) and op in protocol.OPS else "unknown",
+                protocol.op_label(op),
                 outcome, seconds, extra)
 
     async def _refuse(self, conn: Connection, exc: QvlError) -> None:
@@ -451,8 +453,7 @@ class Server:
         try:
             result = await self.dispatch(ctx)
             reply = protocol.ok(rid, result)
-            if isinstance(result, dict) and result.get("finish_reason") == "cancelled":
-                outcome = "cancelled"
+            outcome = ctx.outcome or "ok"
         except QvlError as exc:
             reply = protocol.error(rid, exc)
             outcome = exc.code

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from qvld.config import Config
-from qvld.preflight import System, parse_cpu_list
+from qvld.system import System, choose_node, parse_cpu_list
 
 APPLIED, SKIPPED, FAILED = "applied", "skipped", "failed"
 MPOL_BIND = 2
@@ -25,21 +25,6 @@ class Action:
 
     def to_dict(self) -> dict[str, str]:
         return asdict(self)
-
-
-def choose_node(system: System, config: Config) -> int | None:
-    """tuning.numa_node, or (auto) the node with the most physical cores."""
-    nodes = system.numa_nodes()
-    if not nodes:
-        return None
-    if isinstance(config.tuning.numa_node, int):
-        return config.tuning.numa_node if config.tuning.numa_node in nodes else None
-    topo = {cpu: (package, core) for cpu, package, core in system.topology()}
-
-    def physical(node: int) -> int:
-        return len({topo.get(cpu, (0, cpu)) for cpu in nodes[node]})
-
-    return max(sorted(nodes), key=physical)
 
 
 def plan_cpus(system: System, config: Config) -> list[int]:

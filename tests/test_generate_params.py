@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qvld.engine import Engine
+from qvld.engine.request import GENERATE_PARAMS, parse_deadline, parse_generate
 from qvld.errors import BadRequest, ImageInvalid, InternalError, QvlError
-from qvld.handlers import GENERATE_PARAMS, parse_deadline, parse_generate
 from tests.conftest import TINY
 
 IMAGE = (TINY / "images" / "small.png").read_bytes()

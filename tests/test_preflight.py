@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from qvld.config import Config, load_config
-from qvld.preflight import System, run_checks, textfile
-from qvld.tuning import choose_node, plan_cpus, raise_nofile, set_governor
+from qvld.preflight import run_checks, textfile
+from qvld.system import System, choose_node
+from qvld.tuning import plan_cpus, raise_nofile, set_governor
 from tests.conftest import FIXTURES, TINY
 
 THIS_MACHINE = FIXTURES / "systems" / "this-machine"

@@ -3,139 +3,24 @@
 A backend loads the five submodels of a model directory (``Models``) and hands out
 ``Slot``s: everything one generation runs on, its KV cache included. Everything above
 (images, prompts, positions, sampling, caches, sessions) is shared and talks only to these
-two protocols. ``openvino`` (stateful KV cache inside infer requests) and ``onnxruntime``
-(KV cache as explicit tensors bound to the session's inputs and outputs) implement them;
-each runtime is imported only by its own module.
+two protocols (in ``slots``). ``openvino`` (stateful KV cache inside infer requests) and
+``onnxruntime`` (KV cache as explicit tensors bound to the session's inputs and outputs)
+implement them; each runtime is imported only by its own module, and only here.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any
 
 from qvld.config import EngineConfig, ModelConfig
 from qvld.engine.model_dir import ModelSpec
+from qvld.engine.slots import Models, Slot
 from qvld.errors import ModelInvalid
-
-
-class Slot(Protocol):
-    """One generation's runners and KV cache."""
-
-    past_len: int
-    # (token id, image hash or None) per position held in the KV cache.
-    history: list[tuple[int, bytes | None]]
-    # When the inference call now running started (the watchdog looks at it).
-    busy_since: float | None
-
-    def reset(self) -> None: ...
-
-    def trim(self, keep: int) -> None:
-        """Keep the first ``keep`` positions of the KV cache."""
-
-    def embed(self, ids: np.ndarray) -> np.ndarray:
-        """Token ids [S] -> embeddings [S,H] (a copy the caller may change)."""
-
-    def step(self, embeds: np.ndarray, positions: np.ndarray, visual_mask: np.ndarray,
-             deepstack: np.ndarray) -> np.ndarray:
-        """Run the LM on ``embeds`` [S,H] after ``past_len`` cached positions.
-
-        positions [3,S]; visual_mask [S] bool; deepstack [k,Nvis,H] for the masked rows
-        (``no_deepstack()`` when there are none). Returns the last position's logits [V],
-        in a buffer the next step overwrites (copy it to keep it).
-        """
-
-    def no_deepstack(self) -> np.ndarray: ...
-
-    def vision_patches(self, patches: np.ndarray) -> np.ndarray: ...
-
-    def vision_positions(self, corner_ids: np.ndarray) -> np.ndarray: ...
-
-    def vision_merge(self, hidden: np.ndarray, mask: np.ndarray,
-                     rotary: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
-
-
-class SlotBase:
-    """What every backend's slot keeps beside its KV cache, and how it is cut back.
-
-    Subclasses say how their cache is dropped and truncated; the bookkeeping (length,
-    the prefix-cache keys, the watchdog's clock) and the step buffers allocated once
-    (the attention mask, the empty deepstack, the logits handed to the sampler) are the
-    same for all.
-    """
-
-    def __init__(self, deepstack_layers: int, hidden_size: int) -> None:
-        self.past_len = 0
-        self.history: list[tuple[int, bytes | None]] = []
-        self.busy_since: float | None = None
-        self._ones = np.ones((1, 4096), dtype=np.int64)
-        self._no_deepstack = np.zeros((deepstack_layers, 1, hidden_size), np.float32)
-        self._logits = np.zeros(0, dtype=np.float32)
-
-    def _drop_cache(self) -> None:
-        raise NotImplementedError
-
-    def _truncate_cache(self, keep: int) -> None:
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        self._drop_cache()
-        self.past_len = 0
-        self.history = []
-
-    def trim(self, keep: int) -> None:
-        """Keep the first ``keep`` positions of the KV cache."""
-        if keep <= 0:
-            self.reset()
-            return
-        if keep < self.past_len:
-            self._truncate_cache(keep)
-            self.past_len = keep
-        del self.history[keep:]
-
-    @contextmanager
-    def _running(self) -> Iterator[None]:
-        """Marks an inference call as running, for the watchdog."""
-        self.busy_since = time.monotonic()
-        try:
-            yield
-        finally:
-            self.busy_since = None
-
-    def _attention_mask(self, total: int) -> np.ndarray:
-        """[1, total] ones: a view of one buffer, which grows by doubling (rarely)."""
-        if total > self._ones.shape[1]:
-            self._ones = np.ones((1, max(total, 2 * self._ones.shape[1])), dtype=np.int64)
-        return self._ones[:, :total]
-
-    def _keep_logits(self, last: np.ndarray) -> np.ndarray:
-        """``last`` copied into the buffer ``step`` returns: the sampler may change it,
-        the runtime's own output stays intact."""
-        if self._logits.shape != last.shape:
-            self._logits = np.empty(last.shape, dtype=np.float32)
-        np.copyto(self._logits, last)
-        return self._logits
-
-    def no_deepstack(self) -> np.ndarray:
-        return self._no_deepstack
-
-
-class Models(Protocol):
-    """A model directory's submodels, loaded and ready to run."""
-
-    kv_bytes_per_token: int
-    # Files whose mapped pages may be dropped once the runtime holds its own copy.
-    weight_files: set[str]
-    # What the runtime actually runs with (logged, reported by status and metrics).
-    runtime_properties: dict[str, str]
-
-    def new_slot(self) -> Slot: ...
 
 
 def load_models(spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> Models:

@@ -11,14 +11,17 @@ from typing import Any
 import numpy as np
 
 from qvld.config import Config
-from qvld.engine.backend import Slot, SlotPool, common_prefix, load_models, release_file_pages
+from qvld.engine.backend import SlotPool, common_prefix, load_models, release_file_pages
 from qvld.engine.cache import ImageCache
 from qvld.engine.generate import Prompt, mrope_positions, never, run_generation
-from qvld.engine.image import PixelBudget, PreparedImage, image_digest, prepare
+from qvld.engine.image import PixelBudget, PreparedImage, prepare
 from qvld.engine.model_dir import ModelSpec, load_model_spec
-from qvld.engine.prompt import ChatTemplate, TextTokenizer, expand_image_pads
+from qvld.engine.prompt import ChatTemplate, TextTokenizer
+from qvld.engine.prompts import PromptBuilder
+from qvld.engine.request import CheckedRequest, check, image_tokens, sampling
 from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
 from qvld.engine.sessions import Session, SessionStore, Turn, dropped, ids_through_stop
+from qvld.engine.slots import Slot
 from qvld.engine.types import (
     GenerateRequest,
     GenerateResult,
@@ -28,14 +31,7 @@ from qvld.engine.types import (
     Usage,
 )
 from qvld.engine.vision import ImageEmbedding, encode_image
-from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
-
-_ROLES = {"system", "user", "assistant"}
-
-
-class PrepareStopped(Exception):
-    """``prepare``'s ``should_stop`` fired between images (decoding a large one takes
-    seconds): the caller knows whether that was a cancel or a deadline."""
+from qvld.errors import ModelInvalid, PromptTooLong
 
 
 class HistoryLost(Exception):
@@ -49,6 +45,7 @@ class PreparedRequest:
     """A validated request, tokenised, its images decoded: ready for a slot."""
 
     request: GenerateRequest
+    uid: int  # who asked: sessions are per uid, and so are the caches
     params: SamplingParams
     max_tokens: int
     ids: list[int]
@@ -94,7 +91,7 @@ class Engine:
         self.tokenizer = TextTokenizer(config.model.path / "tokenizer.json")
         self.template = ChatTemplate(self.spec.chat_template, self.spec.special_tokens)
         self.models = load_models(self.spec, config.model, config.engine)
-        budget = (config.engine.kv_cache_mb << 20) // self.models.kv_bytes_per_token
+        budget = config.engine.kv_retained_bytes // self.models.kv_bytes_per_token
         self.pool = SlotPool(self.models, config.engine.infer_requests, budget_tokens=budget)
         self.images = ImageCache(config.engine.image_cache_mb << 20)
         self.sessions = SessionStore(config.engine.sessions_max, config.engine.session_ttl_s,
@@ -102,6 +99,8 @@ class Engine:
                                      image_budget_bytes=config.engine.session_image_mb << 20)
         self.max_context = min(config.engine.max_context_tokens,
                                self.spec.max_position_embeddings)
+        self.prompts = PromptBuilder(self.spec, self.tokenizer, self.template, self.images,
+                                     config.engine.max_decode_pixels, self.max_context)
         self.load_s = time.perf_counter() - t0
 
     # -- requests -------------------------------------------------------------------
@@ -111,146 +110,24 @@ class Engine:
         its own only, unless engine.share_caches (None: everyone's)."""
         return None if self.config.engine.share_caches else uid
 
+    def check(self, request: GenerateRequest) -> CheckedRequest:
+        """``request`` against this engine's limits and the model's defaults."""
+        return check(request, self.config.engine, self.spec.generation)
+
     def sampling_params(self, request: GenerateRequest) -> SamplingParams:
-        gen = self.spec.generation
-
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        temperature = float(pick(request.temperature, gen.temperature if gen.do_sample else 0.0))
-        top_k = int(pick(request.top_k, gen.top_k if gen.do_sample else 0))
-        top_p = float(pick(request.top_p, gen.top_p if gen.do_sample else 1.0))
-        repetition = float(pick(request.repetition_penalty, gen.repetition_penalty))
-        if not 0.0 <= temperature <= 100.0:
-            raise BadRequest("temperature must be within [0, 100]")
-        if not 0.0 < top_p <= 1.0:
-            raise BadRequest("top_p must be within (0, 1]")
-        if top_k < 0:
-            raise BadRequest("top_k must be >= 0 (0 = off)")
-        if not 0.0 < repetition <= 10.0:
-            raise BadRequest("repetition_penalty must be within (0, 10]")
-        if not -2.0 <= request.presence_penalty <= 2.0:
-            raise BadRequest("presence_penalty must be within [-2, 2]")
-        return SamplingParams(temperature, top_k, top_p, repetition,
-                              float(request.presence_penalty), request.seed)
-
-    def _max_tokens(self, request: GenerateRequest) -> int:
-        limit = self.config.engine.max_new_tokens
-        value = self.config.engine.default_max_tokens if request.max_tokens is None \
-            else request.max_tokens
-        if not 1 <= value <= limit:
-            raise BadRequest(f"max_tokens must be within 1..{limit}")
-        return int(value)
-
-    def _check_messages(self, messages: Any) -> tuple[list[dict[str, Any]], list[bytes]]:
-        """Validate messages; return them as the template sees them, and the image bytes."""
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list")
-        shown: list[dict[str, Any]] = []
-        images: list[bytes] = []
-        for n, message in enumerate(messages):
-            # The role may be any msgpack value: test its type before hashing it.
-            role = message.get("role") if isinstance(message, dict) else None
-            if not isinstance(role, str) or role not in _ROLES:
-                raise BadRequest(f"messages[{n}] needs a role of {sorted(_ROLES)}")
-            content = message.get("content")
-            if isinstance(content, str):
-                shown.append({"role": message["role"], "content": content})
-                continue
-            if not isinstance(content, list):
-                raise BadRequest(f"messages[{n}].content must be a string or a list of parts")
-            parts: list[dict[str, Any]] = []
-            for m, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text" and isinstance(part.get("text"), str):
-                    parts.append({"type": "text", "text": part["text"]})
-                elif kind == "image" and isinstance(part.get("image"), (bytes, bytearray)):
-                    parts.append({"type": "image"})
-                    images.append(bytes(part["image"]))
-                else:
-                    raise BadRequest(f"messages[{n}].content[{m}] must be "
-                                     "{type: text, text: str} or {type: image, image: bytes}")
-            shown.append({"role": message["role"], "content": parts})
-        if len(images) > self.config.engine.max_images:
-            raise BadRequest(f"at most {self.config.engine.max_images} images per request")
-        return shown, images
-
-    def _check_text_length(self, shown: list[dict[str, Any]], room: int) -> None:
-        """Refuse text that cannot fit ``room`` tokens before templating and tokenising
-        it whole: a 30 MB text part would otherwise cost gigabytes and seconds."""
-        left = room - 1  # at least one token is generated
-        for message in shown:
-            content = message["content"]
-            texts = [content] if isinstance(content, str) else [
-                part["text"] for part in content if part["type"] == "text"]
-            for text in texts:
-                count = self.tokenizer.count_within(text, left)
-                if count is None:
-                    raise PromptTooLong(
-                        f"the prompt's text is longer than the {room} tokens left in the "
-                        f"context (engine.max_context_tokens {self.max_context})")
-                left -= count
+        return sampling(request, self.spec.generation)
 
     def image_budget(self, request: GenerateRequest) -> PixelBudget:
-        cfg = self.config.engine
-        tokens = cfg.default_image_tokens if request.max_image_tokens is None \
-            else request.max_image_tokens
-        if tokens < 1:
-            raise BadRequest("max_image_tokens must be >= 1")
-        return PixelBudget.for_request(self.spec.vision, min(tokens, cfg.max_image_tokens))
+        return PixelBudget.for_request(self.spec.vision, image_tokens(request,
+                                                                      self.config.engine))
 
-    def _prepare_images(self, request: GenerateRequest, images: list[bytes],
-                        should_stop: Callable[[], bool] = never) -> list[PreparedImage]:
-        budget = self.image_budget(request)
-        limit = self.config.engine.max_decode_pixels
-        owner = self.cache_owner(request.uid)
-        prepared: list[PreparedImage] = []
-        for data in images:
-            # Decoding a large image takes seconds: a request whose client left or whose
-            # deadline passed stops between images.
-            if should_stop():
-                raise PrepareStopped(f"stopped after {len(prepared)} of {len(images)} images")
-            key = (owner, image_digest(data, budget))
-            known = self.images.grid(key) if key in self.images else None
-            image = prepare(data, self.spec.vision, budget, limit, known_grid=known)
-            self.images.remember_grid(key, (image.grid_h, image.grid_w))
-            prepared.append(image)
-        return prepared
-
-    def tokenize(self, request: GenerateRequest, should_stop: Callable[[], bool] = never
+    def tokenize(self, request: GenerateRequest, uid: int = 0,
+                 should_stop: Callable[[], bool] = never
                  ) -> tuple[list[int], list[PreparedImage], list[int]]:
         """Template, tokenise, decode and patchify images; no inference yet.
 
         Returns the ids, the images and the row where each image starts."""
-        shown, images = self._check_messages(request.messages)
-        self._check_text_length(shown, self.max_context)
-        text = self.template.render(shown, add_generation_prompt=True)
-        prepared = self._prepare_images(request, images, should_stop)
-        ids, starts = expand_image_pads(self.tokenizer.encode(text), self.spec.image_token_id,
-                                        [p.tokens for p in prepared])
-        return ids, prepared, starts
-
-    def tokenize_continuation(self, request: GenerateRequest, history: list[int],
-                              should_stop: Callable[[], bool] = never
-                              ) -> tuple[list[int], list[PreparedImage], list[int]]:
-        """The ids that follow a session's history: what the template renders after the
-        last assistant turn (closing it if generation did not) for the new messages."""
-        shown, images = self._check_messages(request.messages)
-        self._check_text_length(shown, self.max_context - len(history))
-        marker = "\x00qvld-history\x00"
-        text = self.template.render([{"role": "assistant", "content": marker}, *shown],
-                                    add_generation_prompt=True)
-        if marker not in text:
-            raise BadRequest("this model's chat template cannot continue a session")
-        continuation = text.split(marker, 1)[1]
-        closing = self.tokenizer.decode_special(history[-1:]) if history else ""
-        if closing and history[-1] in self.spec.generation.eos_token_ids and \
-                continuation.startswith(closing):
-            continuation = continuation[len(closing):]  # generation already closed the turn
-        prepared = self._prepare_images(request, images, should_stop)
-        ids, starts = expand_image_pads(self.tokenizer.encode(continuation),
-                                        self.spec.image_token_id, [p.tokens for p in prepared])
-        return ids, prepared, starts
+        return self.prompts.build(self.check(request), self.cache_owner(uid), should_stop)
 
     @staticmethod
     def prompt_keys(ids: list[int], images: list[PreparedImage], starts: list[int]
@@ -326,7 +203,7 @@ class Engine:
             image_cache_misses=misses,
         )
 
-    def prepare(self, request: GenerateRequest,
+    def prepare(self, request: GenerateRequest, uid: int = 0,
                 should_stop: Callable[[], bool] = never) -> PreparedRequest:
         """Everything before inference: validate, template, tokenise, decode images.
 
@@ -335,25 +212,23 @@ class Engine:
         (joined in ``run``).
         """
         t0 = time.perf_counter()
-        params = self.sampling_params(request)
-        max_tokens = self._max_tokens(request)
+        checked = self.check(request)
         session: Session | None = None
         lost = False
         if request.session is not None:  # looked up, never created before a turn commits
-            session, lost = self.sessions.lookup(request.uid, request.session)
+            session, lost = self.sessions.lookup(uid, request.session)
         # The version first: a turn committing meanwhile is then caught by ``begin``.
         version = session.version if session is not None else 0
         history = session.ids if session is not None else []
-        if history:
-            ids, images, starts = self.tokenize_continuation(request, history, should_stop)
-        else:
-            ids, images, starts = self.tokenize(request, should_stop)
+        ids, images, starts = self.prompts.build(checked, self.cache_owner(uid), should_stop,
+                                                 history)
         self._check_context(len(history), len(ids))
         history_images = list(session.images) if session is not None else []
-        owner = self.cache_owner(request.uid)
+        owner = self.cache_owner(uid)
         pinned = {image.digest: embedding for image in history_images if dropped(image)
                   and (embedding := self.images.peek((owner, image.digest))) is not None}
-        return PreparedRequest(request=request, params=params, max_tokens=max_tokens, ids=ids,
+        return PreparedRequest(request=request, uid=uid, params=checked.sampling,
+                               max_tokens=checked.max_tokens, ids=ids,
                                images=images, image_starts=starts,
                                prepare_s=time.perf_counter() - t0,
                                session=session, session_version=version,
@@ -366,26 +241,60 @@ class Engine:
                                 f"holds {self.max_context} including at least one generated "
                                 "token" + (" (start a new session)" if history else ""))
 
+    # -- what the daemon reports -------------------------------------------------------
+
+    @property
+    def runtime(self) -> tuple[str, str]:
+        """The runtime's name and version (``model.backend``'s)."""
+        return self.models.runtime, self.models.runtime_version
+
+    def stats(self) -> dict[str, Any]:
+        """The model, the runtime and the caches, for status (nothing outside the engine
+        reaches into its pool or caches)."""
+        return {
+            "name": self.spec.name,
+            "path": str(self.spec.path),
+            "load_s": round(self.load_s, 3),
+            "runtime": {"name": self.models.runtime, "version": self.models.runtime_version,
+                        **self.models.runtime_properties},
+            "infer_requests": len(self.pool.slots),
+            "max_context_tokens": self.max_context,
+            "kv_cached_tokens": self.pool.cached_tokens(),
+            "kv_budget_tokens": self.pool.budget_tokens,
+            "image_cache": self.images.stats(),
+            "sessions": self.sessions.stats(),
+        }
+
+    def infer_stuck(self, bound_s: float) -> bool:
+        """Whether an inference call has been running for longer than ``bound_s``."""
+        now = time.monotonic()
+        return any(slot.busy_since is not None and now - slot.busy_since > bound_s
+                   for slot in self.pool.slots)
+
     def kv_bytes(self, tokens: int) -> int:
         """KV-cache memory ``tokens`` positions take at the runtime's KV precision."""
         return tokens * self.models.kv_bytes_per_token
 
-    def run(self, prepared: PreparedRequest,
-            on_token: TokenCallback | None = None) -> GenerateResult:
-        """Inference for a prepared request on a free slot (blocks until one is free)."""
+    def run(self, prepared: PreparedRequest, on_token: TokenCallback | None = None,
+            should_stop: Callable[[], bool] = never) -> GenerateResult:
+        """Inference for a prepared request on a free slot (blocks until one is free).
+
+        ``should_stop`` is polled between images, prefill chunks and decode steps; True
+        ends the generation as cancelled."""
         request = prepared.request
         if request.session is None:
             return self._run(prepared, prepared.ids, prepared.images, prepared.image_starts,
-                             on_token)
-        turn = self.sessions.begin(request.uid, request.session, prepared.session,
+                             on_token, should_stop)
+        turn = self.sessions.begin(prepared.uid, request.session, prepared.session,
                                    prepared.session_version)
         try:
-            return self._run_turn(prepared, turn, on_token)
+            return self._run_turn(prepared, turn, on_token, should_stop)
         finally:
             self.sessions.end(turn)
 
     def _run_turn(self, prepared: PreparedRequest, turn: Turn,
-                  on_token: TokenCallback | None) -> GenerateResult:
+                  on_token: TokenCallback | None,
+                  should_stop: Callable[[], bool]) -> GenerateResult:
         """One session turn: continue the history, or start afresh when it is lost (gone
         since the request was prepared, or no longer rebuildable exactly); commit it only
         when generation ended normally, so the history is what the client saw."""
@@ -399,15 +308,16 @@ class Engine:
             images = prepared.history_images + prepared.images
             starts = session.image_starts + [len(session.ids) + s for s in starts]
             try:
-                result = self._run(prepared, ids, images, starts, on_token, prepared.pinned)
+                result = self._run(prepared, ids, images, starts, on_token, should_stop,
+                                   prepared.pinned)
             except HistoryLost:
                 result = None
         if result is None:
             if prepared.session is not None:  # prepared as a continuation of a lost history
                 reset = True
-                ids, images, starts = self.tokenize(request)
+                ids, images, starts = self.tokenize(request, prepared.uid)
                 self._check_context(0, len(ids))
-            result = self._run(prepared, ids, images, starts, on_token)
+            result = self._run(prepared, ids, images, starts, on_token, should_stop)
         if result.finish_reason == "cancelled":  # the client left or the deadline passed
             turns = 0 if turn.new else session.turns
         else:
@@ -427,14 +337,14 @@ class Engine:
 
     def _run(self, prepared: PreparedRequest, ids: list[int], images: list[PreparedImage],
              starts: list[int], on_token: TokenCallback | None,
+             should_stop: Callable[[], bool],
              pinned: dict[bytes, ImageEmbedding] | None = None) -> GenerateResult:
         t0 = time.perf_counter()
         request = prepared.request
-        should_stop = request.should_stop or never
         sampler = Sampler(prepared.params, ids, self.spec.vocab_size)
         eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
         keys = self.prompt_keys(ids, images, starts)
-        owner = self.cache_owner(request.uid)
+        owner = self.cache_owner(prepared.uid)
         with self.pool.acquire(keys, owner) as slot:
             # Reuse the longest prefix in the KV cache, but always feed the last prompt
             # row: its logits give the first token.
@@ -488,10 +398,10 @@ class Engine:
                         image_tokens=sum(i.tokens for i in prepared.images)),
             timings=Timings(image_s=image_s, total_s=total))
 
-    def generate(self, request: GenerateRequest,
-                 on_token: TokenCallback | None = None) -> GenerateResult:
-        """``prepare`` then ``run``: one blocking generation."""
-        return self.run(self.prepare(request), on_token)
+    def generate(self, request: GenerateRequest, on_token: TokenCallback | None = None,
+                 uid: int = 0, should_stop: Callable[[], bool] = never) -> GenerateResult:
+        """``prepare`` then ``run``: one blocking generation, asked by ``uid``."""
+        return self.run(self.prepare(request, uid), on_token, should_stop)
 
     def warmup(self) -> None:
         """One short generation about an image, so that every submodel has run the shapes
@@ -505,8 +415,9 @@ class Engine:
         """
         request = GenerateRequest(messages=[{"role": "user", "content": [
             {"type": "image", "image": warmup_image()}, {"type": "text", "text": "Hello"}]}],
-            max_tokens=2, temperature=0.0, uid=os.getuid())  # the daemon's own caches
-        prepared = self.prepare(request)
+            max_tokens=2, temperature=0.0)
+        uid = os.getuid()  # the daemon's own caches
+        prepared = self.prepare(request, uid)
         with self.pool.acquire() as slot:
             for image in prepared.images:
                 encode_image(slot, image, self.spec.vision)
@@ -514,4 +425,4 @@ class Engine:
         self.run(prepared)
         release_file_pages(self.models.weight_files)
         for image in prepared.images:  # nobody will ask about it again
-            self.images.discard((self.cache_owner(request.uid), image.digest))
+            self.images.discard((self.cache_owner(uid), image.digest))

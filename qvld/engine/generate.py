@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qvld.engine.backend import Slot
 from qvld.engine.prompt import IncrementalText, TextTokenizer
 from qvld.engine.sampling import Sampler, StopStrings
+from qvld.engine.slots import Slot
 from qvld.engine.types import FinishReason, TokenCallback
 
 

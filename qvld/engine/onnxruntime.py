@@ -23,8 +23,8 @@ import numpy as np
 import onnxruntime as ort
 
 from qvld.config import EngineConfig, ModelConfig
-from qvld.engine.backend import SlotBase
 from qvld.engine.model_dir import SUBMODELS, ModelSpec
+from qvld.engine.slots import SlotBase
 from qvld.errors import ModelInvalid
 
 
@@ -99,6 +99,8 @@ class SessionModels:
         self.weight_files = {str(p.resolve()) for sub in SUBMODELS
                              for p in (spec.onnx(sub), spec.onnx(sub).with_name(
                                  spec.onnx(sub).name + ".data")) if p.exists()}
+        self.runtime = "onnxruntime"
+        self.runtime_version = str(ort.__version__)
         self.runtime_properties = {
             "BACKEND": f"onnxruntime {ort.__version__}",
             "INFERENCE_PRECISION_HINT": "f32",

@@ -21,9 +21,9 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from qvld.config import EngineConfig, ModelConfig
-from qvld.engine.backend import SlotBase
 from qvld.engine.model_cache import cache_key, open_model_cache
 from qvld.engine.model_dir import SUBMODELS, ModelSpec
+from qvld.engine.slots import SlotBase
 from qvld.errors import ModelInvalid
 
 log = logging.getLogger("qvld.engine")
@@ -220,6 +220,8 @@ class CompiledModels:
         kv_bytes = max(1, (kv_type.bitwidth + 7) // 8) if hasattr(kv_type, "bitwidth") else 2
         # keys and values, every layer, every KV head.
         self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_bytes
+        self.runtime = "openvino"
+        self.runtime_version = str(ov.__version__).split("-")[0]  # 2026.4.1-<build> -> 2026.4.1
         self.runtime_properties = {
             key: _text(self.language.get_property(key))
             for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS",

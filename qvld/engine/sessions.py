@@ -98,7 +98,6 @@ class SessionStore:
         self._pending: set[SessionKey] = set()  # new sessions whose first turn runs
         self._tombstones: OrderedDict[int, OrderedDict[str, None]] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0
 
     # -- tombstones (lock held) -----------------------------------------------------
 
@@ -139,7 +138,6 @@ class SessionStore:
             session = self._sessions.get((uid, sid))
             if session is not None:
                 self._sessions.move_to_end((uid, sid))
-                self.hits += 1
                 return session, False
             return None, sid in self._tombstones.get(uid, ())
 

@@ -25,10 +25,6 @@ class GenerateRequest:
     ignore_eos: bool = False
     max_image_tokens: int | None = None
     session: str | None = None  # continue (or start) this conversation
-    # Who asks: sessions are per uid, and so are the caches unless engine.share_caches.
-    uid: int = 0
-    # Polled between prefill chunks and decode steps; True ends generation as cancelled.
-    should_stop: Callable[[], bool] | None = None
 
 
 @dataclass

@@ -234,7 +234,7 @@ def test_cancellation_between_steps(tiny_engine: Engine) -> None:
         return calls["n"] > 3
 
     result = tiny_engine.generate(GenerateRequest(
-        messages=MESSAGES, max_tokens=50, temperature=0.0, should_stop=stop_after_three))
+        messages=MESSAGES, max_tokens=50, temperature=0.0), should_stop=stop_after_three)
     assert result.finish_reason == "cancelled"
     assert 0 < len(result.token_ids) < 50
 

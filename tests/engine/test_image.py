@@ -19,7 +19,7 @@ from tests.conftest import TINY, load_reference
 
 REFERENCE = load_reference(TINY)
 PIXELS = np.load(TINY / "reference_pixels.npz")
-SPEC = load_model_spec(TINY)
+SPEC = load_model_spec(TINY, "openvino")
 BUDGET = PixelBudget.for_request(SPEC.vision, 256)
 LIMIT = 64_000_000
 
@@ -202,8 +202,8 @@ def test_cancellation_acts_between_images(tiny_dir: Path) -> None:
         return calls["n"] > 1
 
     result = engine.generate(GenerateRequest(messages=[{"role": "user", "content": [
-        {"type": "image", "image": data[0]}, {"type": "image", "image": data[1]}]}],
-        should_stop=stop_after_first_image))
+        {"type": "image", "image": data[0]}, {"type": "image", "image": data[1]}]}]),
+        should_stop=stop_after_first_image)
     assert result.finish_reason == "cancelled" and result.token_ids == []
     assert engine.images.stats()["entries"] == 1  # the second image was never encoded
 
@@ -211,7 +211,7 @@ def test_cancellation_acts_between_images(tiny_dir: Path) -> None:
 def test_prepare_stops_between_images_when_told(tiny_dir: Path) -> None:
     """The prepare stage's own stop (a deadline or a client gone while large images are
     decoded): the images after it are never decoded."""
-    from qvld.engine.engine import PrepareStopped
+    from qvld.engine.prompts import PrepareStopped
     from tests.conftest import parity_config
 
     engine = Engine(parity_config(tiny_dir, infer_requests=1))
@@ -226,6 +226,6 @@ def test_prepare_stops_between_images_when_told(tiny_dir: Path) -> None:
     request = GenerateRequest(messages=[{"role": "user", "content": [
         {"type": "image", "image": image} for image in data]}])
     with pytest.raises(PrepareStopped, match="after 1 of 3 images"):
-        engine.prepare(request, stop_after_first_image)
+        engine.prepare(request, should_stop=stop_after_first_image)
     assert polls["n"] == 2
     assert len(engine.prepare(request).images) == 3  # without a stop: all of them

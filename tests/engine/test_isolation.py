@@ -19,7 +19,7 @@ ALICE, BOB = 1000, 1001
 def ask(engine: Engine, case: dict[str, Any], uid: int) -> GenerateResult:
     result = engine.generate(GenerateRequest(
         messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
-        max_tokens=case["max_new_tokens"], uid=uid))
+        max_tokens=case["max_new_tokens"]), uid=uid)
     assert result.token_ids == case["token_ids"]  # exact whoever's cache served it
     return result
 
@@ -39,7 +39,7 @@ def test_an_image_embedding_is_reused_only_by_the_user_who_sent_the_image() -> N
     first = ask(engine, PHOTO, ALICE)
     assert (first.image_cache_hits, first.image_cache_misses) == (0, 1)
     prepared = engine.prepare(GenerateRequest(
-        messages=with_image_bytes(PHOTO["messages"], TINY), uid=BOB))
+        messages=with_image_bytes(PHOTO["messages"], TINY)), BOB)
     assert prepared.images[0].patches is not None  # decoded again: no shortcut for Bob
     bob = ask(engine, PHOTO, BOB)
     assert (bob.image_cache_hits, bob.image_cache_misses) == (0, 1)

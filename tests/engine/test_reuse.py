@@ -16,9 +16,11 @@ SESSIONS = REFERENCE["sessions"]
 
 
 def ask(engine: Engine, case: dict[str, Any], **kw: Any) -> Any:
+    # Who asks and when to stop are the engine's arguments; the rest is the request.
+    run = {key: kw.pop(key) for key in ("uid", "should_stop") if key in kw}
     return engine.generate(GenerateRequest(
         messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
-        max_tokens=case["max_new_tokens"], **kw))
+        max_tokens=case["max_new_tokens"], **kw), **run)
 
 
 @pytest.mark.parametrize("session", SESSIONS, ids=[s["name"] for s in SESSIONS])
