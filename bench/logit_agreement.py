@@ -58,7 +58,7 @@ PRECISIONS: list[Setting] = [
 
 
 def engine_for(model: Path, setting: Setting = ("", "auto", "auto", "auto")) -> Engine:
-    from qvlctl.model import backend_of
+    from qvld.modeltools.convert import backend_of
 
     _, precision, kv, dq = setting
     return Engine(Config(model=ModelConfig(path=model, precision=precision,  # type: ignore[arg-type]
@@ -181,7 +181,7 @@ def quantisation(hf_dir: Path, models: list[Path], tokens: int, size: int,
                 (ref, hf(**extra).logits[0, len(extra["input_ids"][0]) - len(cont):].numpy())
                 for _, cont, ref, extra in cases])
     del hf, tokenizer_engine
-    from qvlctl.model import backend_of
+    from qvld.modeltools.convert import backend_of
 
     for model in models:
         settings: list[Setting] = [("qvld default", "auto", "auto", "auto")]

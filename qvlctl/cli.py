@@ -36,6 +36,7 @@ from qvlctl.exits import (
     EXIT_TIMEOUT,
     EXIT_USAGE,
 )
+from qvld import protocol
 from qvld.errors import QvlError
 
 __all__ = ["EXIT_BY_CODE", "EXIT_FORBIDDEN", "EXIT_INTERNAL", "EXIT_INTERRUPTED",
@@ -212,12 +213,8 @@ def cmd_preflight(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document, indent=2))
     else:
-        for check in document["checks"]:
-            out(f"{check['status']:<5} {check['id']:<13} {check['found']}")
-            if check.get("remedy") and check["status"] in ("warn", "fail"):
-                out(f"      {'':<13} remedy: {check['remedy']}")
-        for action in document["tuning"]:
-            out(f"tuning {action['action']}: {action['result']}: {action['detail']}")
+        for line in protocol.preflight_lines(document):
+            out(line)
     return EXIT_OK if document["ok"] else EXIT_INTERNAL
 
 
@@ -246,8 +243,9 @@ def cmd_reload(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    """The model commands work on directories: no daemon involved."""
-    from qvlctl import model
+    """The model commands work on directories: no daemon involved. This is only their
+    front: the tooling is qvld's (``qvld.modeltools``), imported when one of them runs."""
+    from qvld.modeltools import convert as model
 
     if args.model_command == "convert":
         recipe = model.Recipe(weights=args.weights, symmetric=not args.asym,
@@ -255,7 +253,7 @@ def cmd_model(args: argparse.Namespace) -> int:
                               all_layers=not args.lm_head_int8)
         return model.convert(args.src, args.dst, recipe)
     if args.model_command == "export-onnx":
-        from qvlctl import onnx_export
+        from qvld.modeltools import onnx_export
 
         return onnx_export.export_onnx(args.src, args.dst, args.weights)
     if args.model_command == "info":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def modules_after(statement: str) -> set[str]:
@@ -33,11 +34,26 @@ def test_each_backend_loads_only_its_runtime() -> None:
         assert not {"torch", "transformers"} & loaded
 
 
-def test_onnx_exporter_imports_torch_only_when_it_runs() -> None:
-    loaded = modules_after("import qvlctl.onnx_export")
-    assert not {"torch", "transformers", "onnx", "onnxruntime"} & loaded
+def test_model_tools_import_torch_only_when_they_run() -> None:
+    loaded = modules_after("import qvld.modeltools.convert, qvld.modeltools.onnx_export")
+    assert not {"torch", "transformers", "optimum", "onnx", "onnxruntime", "openvino"} & loaded
+
+
+def modeltools_in(loaded: set[str]) -> set[str]:
+    return {m for m in loaded if m == "qvld.modeltools" or m.startswith("qvld.modeltools.")}
 
 
 def test_qvlctl_never_imports_the_engine() -> None:
     loaded = modules_after("import qvlctl.cli")
-    assert not {"openvino", "torch", "transformers", "numpy", "PIL", "qvld.engine"} & loaded
+    assert not {"openvino", "onnxruntime", "onnx", "torch", "transformers", "numpy", "PIL",
+                "qvld.engine"} & loaded
+    # The model tooling is qvld's, not the client's: loaded only by a `model` command.
+    assert not modeltools_in(loaded)
+
+
+def test_qvlctl_model_loads_the_model_tools_when_it_runs(tmp_path: Path) -> None:
+    missing = tmp_path / "none"
+    loaded = modules_after(
+        f"import qvlctl.cli; qvlctl.cli.main(['model', 'info', {str(missing)!r}])")
+    assert "qvld.modeltools.convert" in modeltools_in(loaded)
+    assert not {"torch", "transformers"} & loaded

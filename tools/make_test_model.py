@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     save_hf(args.preset, hf_dir)
     export_openvino(hf_dir, out, args.weight_format)
     if args.onnx:
-        from qvlctl.onnx_export import export_fp32
+        from qvld.modeltools.onnx_export import export_fp32
 
         export_fp32(hf_dir, out)
     if args.reference:

@@ -128,8 +128,9 @@ def _rgb(values: Any) -> tuple[float, float, float]:
     return (r, g, b)
 
 
-def load_model_spec(path: Path, backend: str = "openvino") -> ModelSpec:
-    """The model in ``path``, which must hold the graphs ``backend`` runs."""
+def load_model_spec(path: Path, backend: str) -> ModelSpec:
+    """The model in ``path``, which must hold the graphs ``backend`` runs (no default:
+    a directory may hold one backend's graphs only, so every caller says which)."""
     if not path.is_dir():
         raise ModelInvalid(f"model directory {path} does not exist")
     graph, command = GRAPHS[backend]

@@ -152,7 +152,7 @@ def key_of(model: Path, **engine: object) -> str:
     if engine:
         config = config.model_copy(update={"engine": config.engine.model_copy(update=engine)})
     props = {"language_model": compile_properties(config.model, config.engine)}
-    return cache_key(load_model_spec(model), f"openvino {ov.__version__}", "CPU", props)
+    return cache_key(load_model_spec(model, "openvino"), f"openvino {ov.__version__}", "CPU", props)
 
 
 def test_the_cache_is_keyed_by_the_model_files_and_the_settings(tiny_dir: Path,

@@ -8,6 +8,8 @@ onnxruntime's quantiser; a real daemon serving on this backend.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from qvlctl.onnx_export import quantize_int8, save_graph
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
 from qvld.engine.model_dir import SUBMODELS
 from qvld.errors import ModelInvalid, QvlError
+from qvld.modeltools.onnx_export import quantize_int8, save_graph
 from tests.conftest import TINY, Daemon, load_reference, with_image_bytes
 
 REFERENCE = load_reference(TINY)
@@ -136,7 +138,7 @@ def test_int8_graphs_quantise_the_matmuls_and_still_answer(tmp_path: Path,
         assert cosine > 0.99, name
     assert len(ask(int8, CASES["image_photo"], model).token_ids) == 16
     # `qvlctl model info` reads an ONNX-only directory and its weight types.
-    from qvlctl.model import info
+    from qvld.modeltools.convert import info
 
     document = info(model)
     assert document["backend"] == "onnxruntime" and document["loadable"]
@@ -183,6 +185,28 @@ def test_a_directory_without_onnx_graphs_says_how_to_make_them(tmp_path: Path) -
     (tmp_path / "broken" / "onnx_language_model.onnx").write_bytes(b"not a graph")
     with pytest.raises(ModelInvalid, match=r"onnx_language_model\.onnx cannot be loaded"):
         Engine(ort_config(tmp_path / "broken"))
+
+
+def test_check_config_reads_an_onnx_only_directory_for_the_configured_backend(
+        tmp_path: Path) -> None:
+    # What `qvlctl model export-onnx` writes: onnx_*.onnx graphs and no OpenVINO IR.
+    model = tmp_path / "onnx-only"
+    shutil.copytree(TINY, model, ignore=shutil.ignore_patterns("openvino_*"))
+    empty = tmp_path / "qvld.yaml"
+    empty.write_text("")
+
+    def check(backend: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "qvld.cli", "check-config", "--config",
+                               str(empty), "--model", str(model), "--set",
+                               f"model.backend={backend}"],
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    ok = check("onnxruntime")
+    assert ok.returncode == 0, ok.stderr
+    assert "configuration is valid" in ok.stdout
+    refused = check("openvino")
+    assert refused.returncode == 78, refused.stderr
+    assert "lacks openvino_" in refused.stderr and "qvlctl model convert" in refused.stderr
 
 
 def test_every_submodel_has_its_graph() -> None:

@@ -13,7 +13,7 @@ from qvld.errors import BadRequest, ModelInvalid
 
 
 def test_template_renders_parts_system_and_generation_prompt(tiny_dir: Path) -> None:
-    spec = load_model_spec(tiny_dir)
+    spec = load_model_spec(tiny_dir, "openvino")
     template = ChatTemplate(spec.chat_template, spec.special_tokens)
     text = template.render([
         {"role": "system", "content": "S"},
@@ -27,7 +27,7 @@ def test_template_renders_parts_system_and_generation_prompt(tiny_dir: Path) -> 
 
 
 def test_raise_exception_in_template_is_bad_request(tiny_dir: Path) -> None:
-    template = ChatTemplate(load_model_spec(tiny_dir).chat_template)
+    template = ChatTemplate(load_model_spec(tiny_dir, "openvino").chat_template)
     with pytest.raises(BadRequest, match="Unknown role"):
         template.render([{"role": "tool", "content": "x"}])
 
@@ -107,7 +107,7 @@ def test_incremental_text_equals_decoding_everything(tiny_dir: Path, data: st.Da
 
 
 def test_model_spec_reads_ids_and_limits(tiny_dir: Path) -> None:
-    spec = load_model_spec(tiny_dir)
+    spec = load_model_spec(tiny_dir, "openvino")
     config = json.loads((tiny_dir / "config.json").read_text())
     tok = TextTokenizer(tiny_dir / "tokenizer.json")
     assert spec.image_token_id == config["image_token_id"] == tok.token_id("<|image_pad|>")

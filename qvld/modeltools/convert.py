@@ -1,7 +1,8 @@
 """`qvlctl model convert|info|verify`: from a checkpoint to a directory qvld serves.
 
 Imported only when a `model` command runs: it needs the engine (info, verify) and the
-`convert` extra (convert), which `qvlctl`'s other commands never load.
+`convert` extra (convert), which `qvlctl`'s other commands never load. The submodel
+names are the engine's (``qvld.engine.model_dir.SUBMODELS``).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qvld.engine.model_dir import SUBMODELS
+
 # Files the engine reads besides the IRs, copied from the checkpoint.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "vocab.json", "merges.txt", "preprocessor_config.json", "chat_template.jinja",
               "chat_template.json", "generation_config.json", "config.json")
-SUBMODELS = ("language_model", "text_embeddings_model", "vision_embeddings_model",
-             "vision_embeddings_pos_model", "vision_embeddings_merger_model")
 
 
 def _say(text: str) -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from qvld.engine.model_dir import SUBMODELS, onnx_path
+from qvld.modeltools.convert import SIDE_FILES, write_model
 
 # The ONNX opset: 17 has LayerNormalization, which ONNX Runtime fuses further.
 OPSET = 17
@@ -301,8 +302,6 @@ def quantize_int8(directory: Path) -> None:
 
 def export_directory(source: Path, out: Path, weights: str) -> None:
     """The graphs (quantised for int8) and the files the engine reads beside them."""
-    from qvlctl.model import SIDE_FILES
-
     export_fp32(source, out)
     if weights == "int8":
         _say("quantising the MatMul weights to int8")
@@ -322,8 +321,6 @@ def export_directory(source: Path, out: Path, weights: str) -> None:
 
 def export_onnx(src: str, dst: Path, weights: str) -> int:
     """``qvlctl model export-onnx``: export, quantise, check it answers, move into place."""
-    from qvlctl.model import write_model
-
     return write_model(src, dst, f"to ONNX with {weights} weights",
                        lambda source, out: export_directory(source, out, weights),
                        backend="onnxruntime")
