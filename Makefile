@@ -8,7 +8,7 @@ CONVERT := $(VENV)/.stamp-convert
 PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
-.PHONY: run test test-reference lint check-packaging install uninstall deb bench bench-llamacpp \
+.PHONY: run test test-slow test-reference lint check-packaging install uninstall deb bench bench-llamacpp \
 	fixtures clean
 
 $(BASE): pyproject.toml
@@ -30,8 +30,18 @@ $(CONVERT): $(BASE)
 run: $(BASE)
 	tools/demo.sh
 
+# Tests run on every CPU (pytest-xdist); --dist loadfile keeps a module's tests, and the
+# daemon its module-scoped fixture starts, on one worker.
+XDIST = -n auto --dist loadfile
+
+# The default tier, the edit-test loop: everything but the slow and the reference tests.
 test: $(BASE)
-	$(PYTEST) -m "not reference"
+	$(PYTEST) $(XDIST) -m "not reference and not slow"
+
+# The slow tier (load, fuzzing, red-team rounds, installs into sandboxes and a systemd
+# guest); CI runs it after the default tier.
+test-slow: $(BASE)
+	$(PYTEST) $(XDIST) -m "slow and not reference"
 
 test-reference: $(CONVERT)
 	$(PYTEST) -m reference

@@ -6,9 +6,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -17,6 +17,24 @@ from qvld.engine import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "models" / "tiny"
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 30, what: str = "",
+             interval: float = 0.02, detail: Callable[[], str] | None = None) -> T:
+    """Poll ``predicate`` until it returns something true, and return that. Tests wait
+    on what they need to have happened, never on a fixed sleep: a loaded machine only
+    makes them slower. On timeout the test fails naming ``what`` (and ``detail()``,
+    such as the daemon's log)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            extra = f"\n{detail()}" if detail is not None else ""
+            pytest.fail(f"not within {timeout} s: {what or predicate}{extra}")
+        time.sleep(interval)  # the polling interval
 
 
 def parity_config(path: Path, backend: str = "openvino", **engine: Any) -> Config:
@@ -102,7 +120,7 @@ class Daemon:
                         return
             except OSError:
                 pass
-            time.sleep(0.05)
+            time.sleep(0.05)  # the polling interval (this loop also watches for an exit)
         raise TimeoutError(f"qvld not ready within {timeout} s:\n{self.log()}")
 
     def client(self, timeout: float | None = 60) -> Any:
@@ -112,6 +130,34 @@ class Daemon:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def queue(self) -> tuple[int, int]:
+        """(running, waiting) generations, from the status op on a connection of its own."""
+        with self.client(timeout=10) as client:
+            queue = client.status()["queue"]
+        return int(queue["running"]), int(queue["waiting"])
+
+    def wait_queue(self, running: int, waiting: int = 0, timeout: float = 30) -> None:
+        """Until exactly ``running`` generations run and ``waiting`` wait."""
+        wait_for(lambda: self.queue() == (running, waiting), timeout,
+                 f"{running} generation(s) running and {waiting} waiting", detail=self.log)
+
+    def serves_a_new_connection(self) -> bool:
+        """Whether a new connection is answered rather than refused busy (the daemon has
+        noticed that enough earlier ones closed)."""
+        from qvld.errors import Busy
+
+        try:
+            with self.client(timeout=10) as client:
+                return bool(client.health()["ready"])
+        except Busy:
+            return False
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU time the daemon has used so far."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         assert self.proc is not None
@@ -168,10 +214,9 @@ class HealthProbe:
 
     def start(self) -> HealthProbe:
         self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self.latencies:
-            assert self._thread.is_alive() and time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_for(lambda: self.latencies or not self._thread.is_alive(), 30,
+                 "the probe's first health answer", interval=0.005)
+        assert self._thread.is_alive(), "the health probe died"
         return self
 
     def stop(self) -> None:

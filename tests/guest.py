@@ -90,7 +90,7 @@ class Guest:
                         return self
             if self.proc.poll() is not None:
                 raise RuntimeError("the guest systemd exited while booting")
-            time.sleep(0.1)
+            time.sleep(0.1)  # the polling interval (this loop also watches for an exit)
         raise TimeoutError("the guest systemd did not finish booting")
 
     def run(self, script: str, check: bool = True, timeout: float = 300,
@@ -126,7 +126,7 @@ class Guest:
                     self.cgroup.rmdir()
             if not self.cgroup.exists():
                 break
-            time.sleep(0.1)
+            time.sleep(0.1)  # the polling interval: retried until the cgroups empty out
         with contextlib.suppress(OSError):
             self.mountpoint.rmdir()
 

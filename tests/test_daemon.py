@@ -15,7 +15,7 @@ import pytest
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
 from qvld.errors import ImageInvalid, PromptTooLong
-from tests.conftest import TINY, Daemon, load_reference, run_qvlctl, with_image_bytes
+from tests.conftest import TINY, Daemon, load_reference, run_qvlctl, wait_for, with_image_bytes
 
 CASES = {c["name"]: c for c in load_reference(TINY)["cases"]}
 
@@ -146,7 +146,8 @@ def test_health_answers_during_generation(daemon: Daemon) -> None:
     worker = threading.Thread(target=long_generation)
     worker.start()
     with daemon.client() as client:
-        time.sleep(0.05)
+        wait_for(lambda: done.is_set() or daemon.queue()[0] == 1, 30,
+                 "the generation to start")
         while not done.is_set():
             t0 = time.perf_counter()
             assert client.health()["ready"]

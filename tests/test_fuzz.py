@@ -1,5 +1,10 @@
 """Fuzzing the frame decoder, request validation and the image decoder: only typed
-errors, never a crash or a hang. The long runs are in the slow tier."""
+errors, never a crash or a hang. The long runs are in the slow tier.
+
+Every input is counted when it starts and when it ends in a value or a typed error;
+test_report_fuzz_counts, last in the module, checks that each fuzz test ran before it
+(in the same process: xdist's --dist loadfile keeps a module together), tried as many
+inputs as it is set to, and that every one of them ended well."""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import contextlib
 import os
 import random
 import time
+from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -17,20 +24,35 @@ from hypothesis import strategies as st
 from qvld import protocol
 from qvld.engine.image import PixelBudget, prepare
 from qvld.engine.model_dir import load_model_spec
+from qvld.engine.request import parse_generate
 from qvld.errors import BadRequest, FrameTooLarge, ImageInvalid, ImageTooLarge, QvlError
-from qvld.handlers import parse_generate
 from tests.conftest import TINY
 
 SCALE = float(os.environ.get("QVLD_FUZZ_SCALE", "1"))  # <1 for a quick local run
 
 
-def fuzz(examples: int) -> Any:
-    return settings(max_examples=max(1, int(examples * SCALE)), deadline=None,
+# Inputs each fuzz test must try; inputs started, and ended in a value or a typed error.
+EXPECTED: dict[str, int] = {"frame_buffer": 2_000, "image": 3_000}
+STARTED: Counter[str] = Counter()
+ENDED: Counter[str] = Counter()
+
+
+def fuzz(name: str, examples: int) -> Any:
+    EXPECTED[name] = max(1, int(examples * SCALE))
+    return settings(max_examples=EXPECTED[name], deadline=None,
                     derandomize=True, suppress_health_check=list(HealthCheck))
 
-SPEC = load_model_spec(TINY)
+
+@contextlib.contextmanager
+def counted(name: str) -> Iterator[None]:
+    """One input of fuzz test ``name``: an exception leaving the block is not counted
+    as ended (the test fails on it anyway, and so does the report)."""
+    STARTED[name] += 1
+    yield
+    ENDED[name] += 1
+
+SPEC = load_model_spec(TINY, "openvino")
 BUDGET = PixelBudget.for_request(SPEC.vision, 256)
-COUNTS: dict[str, int] = {}
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),
                     st.text(max_size=20), st.binary(max_size=20))
@@ -43,22 +65,17 @@ keys = st.sampled_from(["id", "op", "params", "messages", "max_tokens", "tempera
 request_like = st.dictionaries(keys, values, max_size=6)
 
 
-def count(name: str) -> None:
-    COUNTS[name] = COUNTS.get(name, 0) + 1
-
-
 pytestmark = pytest.mark.slow
 
 
-@fuzz(80_000)  # cheap: most of the 10^5 inputs go here
+@fuzz("unpack", 80_000)  # cheap: most of the 10^5 inputs go here
 @given(st.binary(max_size=200))
 def test_unpack_arbitrary_bytes(data: bytes) -> None:
-    count("unpack")
-    with contextlib.suppress(BadRequest):
+    with counted("unpack"), contextlib.suppress(BadRequest):
         protocol.unpack(data)
 
 
-@fuzz(10_000)
+@fuzz("parse_request", 10_000)
 @given(st.one_of(values, request_like))
 def test_parse_request_arbitrary_objects(message: Any) -> None:
     try:
@@ -66,33 +83,26 @@ def test_parse_request_arbitrary_objects(message: Any) -> None:
     except (OverflowError, TypeError, ValueError):
         assume(False)  # not representable on the wire: no client can send it
         return
-    count("parse_request")
-    try:
+    with counted("parse_request"), contextlib.suppress(BadRequest):
         decoded = protocol.unpack(payload)
         protocol.parse_request(decoded)
-    except BadRequest:
-        pass
 
 
-@fuzz(10_000)
+@fuzz("parse_generate", 10_000)
 @given(request_like)
 def test_parse_generate_arbitrary_params(params: dict[str, Any]) -> None:
-    count("parse_generate")
-    with contextlib.suppress(BadRequest):
+    with counted("parse_generate"), contextlib.suppress(BadRequest):
         parse_generate(params)
 
 
-@settings(max_examples=2_000, deadline=None, derandomize=True)
+@settings(max_examples=EXPECTED["frame_buffer"], deadline=None, derandomize=True)
 @given(st.lists(st.binary(max_size=64), max_size=20))
 def test_frame_buffer_with_arbitrary_chunks(chunks: list[bytes]) -> None:
-    count("frame_buffer")
     buffer = protocol.FrameBuffer(max_frame_bytes=4096)
-    try:
+    with counted("frame_buffer"), contextlib.suppress(FrameTooLarge):
         for chunk in chunks:
             for frame in buffer.feed(chunk):
                 assert len(frame) <= 4096
-    except FrameTooLarge:
-        pass
 
 
 def mutate(data: bytes, rng: random.Random) -> bytes:
@@ -116,23 +126,37 @@ def test_image_decoder_on_mutated_real_images() -> None:
     originals = [p.read_bytes() for p in sorted((TINY / "images").iterdir())]
     outcomes: dict[str, int] = {}
     slowest = 0.0
-    for i in range(3_000):
+    for i in range(EXPECTED["image"]):
         data = mutate(originals[i % len(originals)], rng)
         t0 = time.perf_counter()
-        try:
-            prepare(data, SPEC.vision, BUDGET, max_decode_pixels=16_000_000)
-            outcome = "decoded"
-        except (ImageInvalid, ImageTooLarge) as exc:
-            outcome = exc.code
-        except QvlError as exc:  # pragma: no cover - any other typed error is a finding
-            pytest.fail(f"unexpected {exc.code} on mutation {i}")
+        with counted("image"):
+            try:
+                prepare(data, SPEC.vision, BUDGET, max_decode_pixels=16_000_000)
+                outcome = "decoded"
+            except (ImageInvalid, ImageTooLarge) as exc:
+                outcome = exc.code
+            except QvlError as exc:  # pragma: no cover - any other typed error is a finding
+                pytest.fail(f"unexpected {exc.code} on mutation {i}")
         slowest = max(slowest, time.perf_counter() - t0)
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert slowest < 5.0
-    print(f"image mutations: 3000 tried, {outcomes}, slowest {slowest * 1000:.0f} ms")
+    print(f"image mutations: {EXPECTED['image']} tried, {outcomes}, "
+          f"slowest {slowest * 1000:.0f} ms")
 
 
 def test_report_fuzz_counts() -> None:
-    total = sum(COUNTS.values())
-    print(f"fuzz inputs: {COUNTS} ({total} in all), crashes 0")
-    assert total >= 100_000 * SCALE or not COUNTS  # the full run (not a -k selection)
+    """Last in the module: what its fuzz tests tried, checked (not just printed)."""
+    if not STARTED:
+        pytest.skip("none of this module's fuzz tests ran in this process: nothing to "
+                    "report (run the whole module)")
+    missing = sorted(set(EXPECTED) - set(STARTED))
+    assert not missing, f"fuzz tests that did not run before the report: {missing}"
+    crashed = {name: STARTED[name] - ENDED[name] for name in EXPECTED
+               if STARTED[name] != ENDED[name]}
+    assert not crashed, f"inputs that ended in an untyped exception: {crashed}"
+    short = {name: f"{ENDED[name]} of {want}" for name, want in EXPECTED.items()
+             if ENDED[name] < want}
+    assert not short, f"fuzz tests that tried fewer inputs than set: {short}"
+    total = sum(ENDED.values())
+    print(f"fuzz inputs: {dict(ENDED)} ({total} in all), each ended in a value or a "
+          "typed error")

@@ -6,6 +6,7 @@ printed (-s)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
 import signal
@@ -28,7 +29,7 @@ from PIL import Image
 
 from qvld import protocol
 from qvld.errors import QvlError
-from tests.conftest import NOBODY, Daemon, HealthProbe, run_as
+from tests.conftest import NOBODY, Daemon, HealthProbe, run_as, wait_for
 
 MiB = 1 << 20
 pytestmark = pytest.mark.slow
@@ -249,11 +250,12 @@ def test_metrics_listener_holds_no_thread_per_connection(target: tuple[Daemon, i
         for _ in range(500):
             sock = socket.create_connection(("127.0.0.1", port))
             idle.append(sock)
-        time.sleep(0.5)
-        threads = _status(daemon.proc.pid, "Threads")
+        # Connections are accepted in order: the 503 to this 501st one means the listener
+        # has taken all 500 (and made whatever threads it would make for them).
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(url, timeout=10)
         assert refused.value.code == 503
+        threads = _status(daemon.proc.pid, "Threads")
         t0 = time.monotonic()
         answers = []
         for sock in idle:
@@ -298,9 +300,11 @@ def test_huge_images_of_one_user_do_not_delay_another(target: tuple[Daemon, int]
 
     hogs = [threading.Thread(target=hog) for _ in range(3)]
     t0 = time.monotonic()
+    cpu0 = daemon.cpu_seconds()
     for thread in hogs:
         thread.start()
-    time.sleep(0.5)  # uid 0's requests are being prepared
+    # uid 0's images are being decoded: the daemon burns CPU (1.9 s per image).
+    wait_for(lambda: daemon.cpu_seconds() - cpu0 >= 0.3, 30, "uid 0's images to be decoded")
     asked = time.time()
     replies = run_as(NOBODY, daemon.socket, [{"id": 1, "op": "generate", "params": {
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}}])
@@ -332,8 +336,10 @@ def test_a_deadline_and_a_disconnect_stop_image_decoding(target: tuple[Daemon, i
     heavy["messages"][0]["content"][:4] = [{"type": "image", "image": huge_png((i, 0, 90))}
                                            for i in range(4)]
     sock = connect(daemon.socket)
+    cpu0 = daemon.cpu_seconds()
     sock.sendall(protocol.pack({"id": 1, "op": "generate", "params": heavy}))
-    time.sleep(0.3)
+    # It leaves while its first image is being decoded (the daemon burns CPU).
+    wait_for(lambda: daemon.cpu_seconds() - cpu0 >= 0.2, 30, "the first image's decoding")
     sock.close()
     t1 = time.monotonic()
     still_good(daemon)  # a thread is free again within about one image's decoding
@@ -356,20 +362,52 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     assert "Traceback" not in daemon.log()
 
 
+def whole_frame_reply(path: Path, payload: bytes, timeout: float = 30
+                      ) -> dict[str, Any] | None:
+    """The reply to one whole frame (None if the line closed without one)."""
+    sock = connect(path, timeout)
+    try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused early
+            sock.sendall(protocol.HEADER.pack(len(payload)) + payload)
+        try:
+            return read_reply(sock)
+        except ConnectionResetError:
+            return None
+    finally:
+        sock.close()
+
+
 def test_half_frames_are_bounded_in_all_and_per_uid(small: Daemon) -> None:
     first = connect(small.socket)
     first.sendall(protocol.HEADER.pack(MiB) + b"\x80" * 1000)  # a parked half frame
-    time.sleep(0.2)
-    second = connect(small.socket)
-    second.sendall(protocol.HEADER.pack(MiB))
-    reply = read_reply(second)
-    assert reply is not None and reply["error"]["code"] == "busy"
+
+    def second_is_refused() -> dict[str, Any] | None:
+        # Another 1 MiB frame is refused once the daemon has counted the first's MiB; a
+        # second that came first is parked until its read times out (then it is closed).
+        second = connect(small.socket, timeout=0.5)
+        try:
+            second.sendall(protocol.HEADER.pack(MiB))
+            reply = read_reply(second)
+            assert reply is not None and reply["error"]["code"] == "busy", reply
+            assert second.recv(1) == b""
+            return reply
+        except TimeoutError:
+            return None
+        finally:
+            second.close()
+
+    reply = wait_for(second_is_refused, 30, "a second 1 MiB frame to be refused")
     assert "max_pending_bytes" in reply["error"]["message"]
-    assert second.recv(1) == b""
-    second.close()
     first.close()
-    time.sleep(0.2)
-    still_good(small)  # the first one's share is released when it leaves
+    # The first one's share is released when it leaves: a whole 1 MiB frame is read again.
+    frame = b"\xdd" + struct.pack(">I", MiB - 5) + b"\x80" * (MiB - 5)
+
+    def whole_frame_is_read() -> bool:
+        reply = whole_frame_reply(small.socket, frame)
+        return reply is not None and reply["error"]["code"] == "bad_request"  # not busy
+
+    wait_for(whole_frame_is_read, 30, "a 1 MiB frame to be read after the first left")
+    still_good(small)
 
 
 def test_requests_in_flight_per_connection_are_bounded(small: Daemon) -> None:
@@ -419,15 +457,11 @@ def test_a_reload_ending_during_a_drain_does_not_make_the_daemon_ready(tmp_path:
             # A changed engine setting: the reload loads the model again (seconds).
             (tmp_path / "qvld.yaml").write_text("engine:\n  prefill_chunk: 256\n")
             daemon.proc.send_signal(signal.SIGHUP)
-            deadline = time.monotonic() + 10
-            while watcher.health()["state"] != "reloading":
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_for(lambda: watcher.health()["state"] == "reloading", 10,
+                     "the reload to start", interval=0.01, detail=daemon.log)
             daemon.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 60
-            while "reload finished while draining" not in daemon.log():
-                assert time.monotonic() < deadline, daemon.log()
-                time.sleep(0.05)
+            wait_for(lambda: "reload finished while draining" in daemon.log(), 60,
+                     "the reload to end during the drain", detail=daemon.log)
             assert watcher.health() == {"state": "draining", "ready": False}
             worker.send({"id": 2, "op": "cancel", "params": {"target": 1}})
     finally:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from qvld.errors import BadRequest, Busy, Timeout
-from tests.conftest import NOBODY, TINY, Daemon, read_replies, run_as
+from tests.conftest import NOBODY, TINY, Daemon, read_replies, run_as, wait_for
 
 LONG = {"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True,
         "temperature": 0}
@@ -46,7 +46,7 @@ def test_busy_beyond_the_queue(one_worker: Daemon) -> None:
     with one_worker.client() as client:
         for rid in (1, 2, 3):  # one runs, two wait: the queue (2) is full
             client.send(gen(rid, 600))
-        time.sleep(0.2)
+        one_worker.wait_queue(running=1, waiting=2)
         client.send(gen(4, 5))
         replies = {}
         while len(replies) < 4:
@@ -75,7 +75,7 @@ def test_deadline_running_and_queued(one_worker: Daemon) -> None:
             client.generate({**LONG, "max_tokens": 4000, "deadline_s": 0.3})
         assert time.monotonic() - t0 < 2.0
         client.send(gen(1, 1500))
-        time.sleep(0.1)
+        one_worker.wait_queue(running=1)
         client.send(gen(2, 5, deadline_s=0.2))
         replies = {}
         while len(replies) < 2:
@@ -106,7 +106,7 @@ def test_fairness_between_two_uids(shared_dir: Path) -> None:
         with daemon.client() as client:
             for rid in range(1, 5):  # uid 0: one running, three waiting
                 client.send(gen(rid, 250))
-            time.sleep(0.1)
+            daemon.wait_queue(running=1, waiting=3)
             other = run_as(NOBODY, daemon.socket, [gen(1, 250)], wait=False)
             done: dict[int, float] = {}
             while len(done) < 4:
@@ -134,10 +134,8 @@ def test_slow_reader_is_cut_off_while_others_are_served(tmp_path: Path) -> None:
         with daemon.client() as client:
             for _ in range(3):
                 assert client.generate({**LONG, "max_tokens": 20})["finish_reason"] == "length"
-        deadline = time.monotonic() + 20
-        while "not reading" not in daemon.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "not reading; cutting it off" in daemon.log()
+        wait_for(lambda: "not reading; cutting it off" in daemon.log(), 20,
+                 "the slow reader to be cut off", detail=daemon.log)
         slow.settimeout(10)
         received = 0
         while chunk := slow.recv(65536):
@@ -156,9 +154,8 @@ def test_connection_limit(tmp_path: Path) -> None:
         with daemon.client() as third, pytest.raises(Busy, match="connections"):
             third.health()
         a.close()
-        time.sleep(0.1)
-        with daemon.client() as again:
-            assert again.health()["ready"]
+        # A new connection is served once the daemon has noticed that a left.
+        wait_for(daemon.serves_a_new_connection, 10, "a connection served after a closed")
         b.close()
     finally:
         assert daemon.stop() == 0
@@ -172,11 +169,12 @@ def test_sigterm_drains_requests_in_flight(tmp_path: Path) -> None:
     with daemon.client() as client:
         client.send(gen(1, 300))
         client.send(gen(2, 300))
-        time.sleep(0.1)
+        daemon.wait_queue(running=1, waiting=1)
         assert daemon.proc is not None
         daemon.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        assert not daemon.socket.exists()  # no new connections
+        # No new connections: the socket goes at once, while both are still to finish.
+        wait_for(lambda: not daemon.socket.exists(), 10, "the socket to be removed",
+                 detail=daemon.log)
         replies = {}
         while len(replies) < 2:
             reply = client.receive()
@@ -191,7 +189,7 @@ def test_drain_timeout_cancels_the_rest(tmp_path: Path) -> None:
     daemon = Daemon(tmp_path, args=[*ONE_WORKER, *sets("server.drain_timeout_s=0.3")]).start()
     with daemon.client() as client:
         client.send(gen(1, 4000))
-        time.sleep(0.2)
+        daemon.wait_queue(running=1)
         assert daemon.proc is not None
         t0 = time.monotonic()
         daemon.proc.send_signal(signal.SIGTERM)
@@ -204,13 +202,15 @@ def test_drain_timeout_cancels_the_rest(tmp_path: Path) -> None:
 
 def test_second_sigint_forces(tmp_path: Path) -> None:
     daemon = Daemon(tmp_path, args=[*ONE_WORKER, *sets("server.drain_timeout_s=60")]).start()
-    with daemon.client() as client:
+    # watcher connects now: the socket goes with the first SIGINT.
+    with daemon.client() as client, daemon.client() as watcher:
         client.send(gen(1, 4000))
-        time.sleep(0.2)
+        daemon.wait_queue(running=1)
         assert daemon.proc is not None
         daemon.proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)
-        assert daemon.proc.poll() is None  # still draining
+        wait_for(lambda: watcher.health()["state"] == "draining", 10, "the drain to start",
+                 detail=daemon.log)
+        assert daemon.proc.poll() is None  # still draining: the generation still runs
         daemon.proc.send_signal(signal.SIGINT)
         reply = client.receive()
         assert daemon.proc.wait(10) == 0
@@ -244,10 +244,8 @@ def test_sighup_reload_to_a_good_then_a_broken_model(tmp_path: Path) -> None:
             config.write_text(config_body.format(variant_model(tmp_path)))
             assert daemon.proc is not None
             daemon.proc.send_signal(signal.SIGHUP)
-            deadline = time.monotonic() + 30
-            while "variant" not in client.status()["model"]["path"]:
-                assert time.monotonic() < deadline, daemon.log()
-                time.sleep(0.05)
+            wait_for(lambda: "variant" in client.status()["model"]["path"], 30,
+                     "the reloaded model to serve", detail=daemon.log)
             after = client.generate(question)["token_ids"]
             assert after != before
             # A broken model: the reload fails and the previous one keeps serving.

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from qvld.errors import Busy, QvlError
-from tests.conftest import TINY, Daemon
+from tests.conftest import TINY, Daemon, wait_for
 
 pytestmark = pytest.mark.slow
 IMAGE = (TINY / "images" / "small.png").read_bytes()
@@ -131,10 +131,10 @@ def test_client_leaving_while_queued_frees_its_place(tmp_path: Path) -> None:
     try:
         first = daemon.client()
         first.send({"id": 1, "op": "generate", "params": {**LONG, "max_tokens": 1200}})
-        time.sleep(0.2)
+        daemon.wait_queue(running=1)
         leaver = daemon.client()
         leaver.send({"id": 1, "op": "generate", "params": {**LONG, "max_tokens": 4000}})
-        time.sleep(0.2)
+        daemon.wait_queue(running=1, waiting=1)
         leaver.close()  # it was waiting in the queue
         t0 = time.perf_counter()
         reply = first.receive()
@@ -156,12 +156,20 @@ def test_client_leaving_mid_generation_frees_the_worker(tmp_path: Path, stage: s
                                     "--set", "engine.prefill_chunk=1"]).start()
     try:
         leaver = daemon.client()
+        # "word " is 5 tokens of the tiny model's tokenizer: 3500 of its 4096 (3000 words,
+        # 15000 tokens, were refused prompt_too_long before any prefill).
         params: dict[str, Any] = ({**LONG, "max_tokens": 2, "messages": [
-            {"role": "user", "content": "word " * 3000}]} if stage == "prefill"
-            else {**LONG, "max_tokens": 4000})
+            {"role": "user", "content": "word " * 700}]} if stage == "prefill"
+            else {**LONG, "max_tokens": 4000, "stream": True})
         leaver.send({"id": 1, "op": "generate", "params": params})
-        time.sleep(0.5)  # well inside the long prefill / the long decode
+        if stage == "prefill":  # 3500 prompt tokens one at a time: seconds of prefill
+            daemon.wait_queue(running=1)
+            assert "op=generate outcome=" not in daemon.log()  # unanswered: in prefill
+        else:  # the first token streamed: it decodes
+            assert leaver.receive()["event"] == "token"
         leaver.close()
         assert next_request_waits_briefly(daemon) < 0.5
+        wait_for(lambda: "op=generate outcome=cancelled" in daemon.log(), 10,
+                 "the leaver's generation to end cancelled", detail=daemon.log)
     finally:
         assert daemon.stop() == 0

@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from qvld.errors import Busy, ImageInvalid
-from qvld.metrics import Metrics, op_label, outcome_label
+from qvld.metrics import Metrics, outcome_label
+from qvld.protocol import op_label
 from tests.conftest import TINY, Daemon, with_image_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +131,7 @@ def test_live_gauges_and_scrape_cost_during_a_generation(metered: tuple[Daemon, 
 
     worker = threading.Thread(target=generate)
     worker.start()
-    time.sleep(0.2)
+    daemon.wait_queue(running=1)
     t0 = time.perf_counter()
     samples = scrape(port)
     cost = time.perf_counter() - t0

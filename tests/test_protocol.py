@@ -214,6 +214,7 @@ _trees = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=20)
                       max_leaves=200)
 
 
+@pytest.mark.slow  # 400 trees of up to 200 leaves: about 20 s here
 @settings(max_examples=400, deadline=None)
 @given(_trees)
 def test_shape_walk_counts_exactly_what_the_decoder_builds(obj: Any) -> None:

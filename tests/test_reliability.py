@@ -21,7 +21,7 @@ from PIL import Image
 
 from qvld import protocol
 from qvld.errors import QvlError
-from tests.conftest import TINY, Daemon
+from tests.conftest import TINY, Daemon, wait_for
 
 MAX_FRAME = 1 << 20
 
@@ -135,6 +135,7 @@ def test_hostile_frames(hostile: Daemon, name: str, data: bytes, code: str,
     still_good(hostile)
 
 
+@pytest.mark.slow  # a load test: about 25 s here
 def test_a_hundred_thousand_tiny_messages(hostile: Daemon) -> None:
     sock = connect(hostile)
     count = 100_000
@@ -181,7 +182,9 @@ def test_slowloris_and_a_thousand_idle_connections(hostile: Daemon) -> None:
     for sock in idle:
         sock.close()
     slow.close()
-    time.sleep(0.2)
+    # Served again once the daemon has noticed enough of the 1000 closes.
+    wait_for(hostile.serves_a_new_connection, 30, "a connection served after the closes",
+             detail=hostile.log)
     still_good(hostile)
     print(f"1000 idle connections: {1000 - refused} held, {refused} refused busy")
 

@@ -29,7 +29,7 @@ def sleeper(seconds: float, log: list[int] | None = None, tag: int = 0
         while time.monotonic() < end:
             if job.should_stop():
                 return result("cancelled")
-            time.sleep(0.005)
+            time.sleep(0.005)  # the stand-in job's work: it checks should_stop as a step would
         return result()
     return run
 
@@ -37,6 +37,17 @@ def sleeper(seconds: float, log: list[int] | None = None, tag: int = 0
 def job(uid: int, run: Callable[[Job], GenerateResult], deadline_s: float = 30,
         kv: int = 0) -> Job:
     return Job(uid=uid, run=run, deadline=time.monotonic() + deadline_s, kv_bytes=kv)
+
+
+async def settled(scheduler: Scheduler, running: int, waiting: int = 0,
+                  timeout: float = 10) -> None:
+    """Until exactly ``running`` jobs run and ``waiting`` wait (the submits got there)."""
+    deadline = time.monotonic() + timeout
+    while (scheduler.running, scheduler.waiting) != (running, waiting):
+        assert time.monotonic() < deadline, (
+            f"not within {timeout} s: {running} running and {waiting} waiting "
+            f"(now {scheduler.running} and {scheduler.waiting})")
+        await asyncio.sleep(0.005)  # the polling interval
 
 
 def test_round_robin_between_uids() -> None:
@@ -50,11 +61,11 @@ def test_round_robin_between_uids() -> None:
             return result()
 
         first = asyncio.ensure_future(scheduler.submit(job(1, blocker)))
-        await asyncio.sleep(0.05)
+        await settled(scheduler, running=1)
         tasks = [asyncio.ensure_future(scheduler.submit(job(1, sleeper(0.01, order, 1))))
                  for _ in range(3)]
         tasks.append(asyncio.ensure_future(scheduler.submit(job(2, sleeper(0.01, order, 2)))))
-        await asyncio.sleep(0.05)
+        await settled(scheduler, running=1, waiting=4)
         gate.set()
         await asyncio.gather(first, *tasks)
         scheduler.close()
@@ -68,16 +79,16 @@ def test_queue_limit_and_memory_budget_answer_busy() -> None:
     async def scenario() -> None:
         scheduler = Scheduler(workers=1, queue_max=1, kv_budget_bytes=100)
         running = asyncio.ensure_future(scheduler.submit(job(1, sleeper(0.3), kv=10)))
-        await asyncio.sleep(0.05)
+        await settled(scheduler, running=1)
         waiting = asyncio.ensure_future(scheduler.submit(job(1, sleeper(0.01), kv=10)))
-        await asyncio.sleep(0.02)
+        await settled(scheduler, running=1, waiting=1)
         with pytest.raises(Busy):  # one running, one waiting: queue_max reached
             await scheduler.submit(job(2, sleeper(0.01)))
         await asyncio.gather(running, waiting)
         with pytest.raises(BadRequest):  # more than the whole budget: never retryable
             await scheduler.submit(job(1, sleeper(0.01), kv=101))
         big = asyncio.ensure_future(scheduler.submit(job(1, sleeper(0.2), kv=80)))
-        await asyncio.sleep(0.02)
+        await settled(scheduler, running=1)
         with pytest.raises(Busy, match="taken"):
             await scheduler.submit(job(1, sleeper(0.01), kv=30))
         await big
@@ -104,10 +115,10 @@ def test_cancel_ends_a_waiting_job_at_once_and_a_running_one_within_a_step() -> 
         scheduler = Scheduler(workers=1, queue_max=5, kv_budget_bytes=None)
         running_job = job(1, sleeper(5))
         running = asyncio.ensure_future(scheduler.submit(running_job))
-        await asyncio.sleep(0.05)
+        await settled(scheduler, running=1)
         waiting_job = job(1, sleeper(5))
         waiting = asyncio.ensure_future(scheduler.submit(waiting_job))
-        await asyncio.sleep(0.02)
+        await settled(scheduler, running=1, waiting=1)
         t0 = time.monotonic()
         scheduler.cancel(waiting_job)
         assert (await waiting).finish_reason == "cancelled"
@@ -125,7 +136,7 @@ def test_deadlines_while_waiting_and_while_running() -> None:
         with pytest.raises(Timeout, match="after"):
             await scheduler.submit(job(1, sleeper(5), deadline_s=0.1))
         blocker = asyncio.ensure_future(scheduler.submit(job(1, sleeper(0.5))))
-        await asyncio.sleep(0.02)
+        await settled(scheduler, running=1)
         with pytest.raises(Timeout, match="queued"):
             await scheduler.submit(job(2, sleeper(0.01), deadline_s=0.1))
         await blocker
@@ -138,9 +149,9 @@ def test_close_cancels_waiting_jobs_and_refuses_new_ones() -> None:
     async def scenario() -> None:
         scheduler = Scheduler(workers=1, queue_max=5, kv_budget_bytes=None)
         running = asyncio.ensure_future(scheduler.submit(job(1, sleeper(0.2))))
-        await asyncio.sleep(0.02)
+        await settled(scheduler, running=1)
         waiting = asyncio.ensure_future(scheduler.submit(job(1, sleeper(0.2))))
-        await asyncio.sleep(0.02)
+        await settled(scheduler, running=1, waiting=1)
         scheduler.close()
         assert (await waiting).finish_reason == "cancelled"
         assert (await running).finish_reason == "length"

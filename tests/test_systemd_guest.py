@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests import guest as guest_module
+from tests.conftest import wait_for
 from tests.guest import Guest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,10 +80,8 @@ def test_journal_holds_the_request_log(guest: Guest) -> None:
 def test_reload_keeps_serving(guest: Guest) -> None:
     pid = show(guest, "MainPID")
     guest.run("systemctl reload qvld.service")
-    deadline = time.monotonic() + 60
-    while "reload done" not in guest.run("journalctl -u qvld --no-pager -o cat").stdout:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for(lambda: "reload done" in guest.run("journalctl -u qvld --no-pager -o cat").stdout,
+             60, "'reload done' in the journal", interval=0.2)
     assert show(guest, "MainPID") == pid
     qvlctl(guest, f"ask {QUESTION} --max-tokens 4")
 
@@ -102,7 +100,14 @@ def test_outsider_is_refused_and_a_qvl_member_is_served(guest: Guest) -> None:
 def test_stop_drains_and_the_socket_reactivates(guest: Guest) -> None:
     guest.run("(/usr/bin/qvlctl ask --json --max-tokens 400 'Tell me everything' "
               "> /root/long.json 2>&1; echo done >> /root/long.json) &")
-    time.sleep(0.5)
+
+    def generating_or_done() -> bool:
+        out = guest.run("/usr/bin/qvlctl status --json", check=False).stdout
+        if out and json.loads(out)["queue"]["running"] == 1:
+            return True
+        return "done" in guest.run("cat /root/long.json", check=False).stdout
+
+    wait_for(generating_or_done, 60, "the long answer to be generating", interval=0.1)
     guest.run("systemctl stop qvld.service")
     assert show(guest, "ActiveState") == "inactive"
     result = guest.run("cat /root/long.json").stdout
@@ -129,10 +134,9 @@ systemctl restart qvld.service
     pid = show(guest, "MainPID")
     restarts = int(show(guest, "NRestarts"))
     guest.run("systemctl kill -s USR2 qvld.service")
-    deadline = time.monotonic() + 60
-    while show(guest, "MainPID") in (pid, "0") or show(guest, "ActiveState") != "active":
-        assert time.monotonic() < deadline, guest.run("journalctl -u qvld -n 30").stdout
-        time.sleep(0.5)
+    wait_for(lambda: show(guest, "MainPID") not in (pid, "0")
+             and show(guest, "ActiveState") == "active", 60, "a restarted qvld",
+             interval=0.5, detail=lambda: guest.run("journalctl -u qvld -n 30").stdout)
     assert int(show(guest, "NRestarts")) == restarts + 1
     journal = guest.run("journalctl -u qvld --no-pager").stdout
     assert "Watchdog timeout" in journal

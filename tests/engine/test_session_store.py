@@ -109,7 +109,7 @@ def test_lost_sessions_are_remembered_and_closing_your_own_is_not_lost() -> None
 def test_expired_sessions_are_lost() -> None:
     store = SessionStore(4, 0.05, per_user=4)
     commit(store, 1, "a")
-    time.sleep(0.1)
+    time.sleep(0.1)  # the scenario: the 0.05 s TTL runs out (no event to wait for)
     assert store.lookup(1, "a") == (None, True)
 
 

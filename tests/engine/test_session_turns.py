@@ -19,9 +19,11 @@ IMAGE_SESSION = SESSIONS["session_image_follow_up"]["turns"]
 
 
 def ask(engine: Engine, case: dict[str, Any], **kw: Any) -> GenerateResult:
+    # Who asks and when to stop are the engine's arguments; the rest is the request.
+    run = {key: kw.pop(key) for key in ("uid", "should_stop") if key in kw}
     return engine.generate(GenerateRequest(
         messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
-        max_tokens=case["max_new_tokens"], **kw))
+        max_tokens=case["max_new_tokens"], **kw), **run)
 
 
 def history(engine: Engine, sid: str, uid: int = 0) -> list[int] | None:
@@ -129,7 +131,7 @@ def test_an_expired_or_evicted_session_is_started_afresh_and_reported() -> None:
     assert result.token_ids == expected
     again = ask(engine, second, session="a")
     assert again.session == SessionInfo("a", turns=2, reset=False)
-    time.sleep(0.4)
+    time.sleep(0.4)  # the scenario: the 0.3 s TTL runs out (no event to wait for)
     expired = ask(engine, second, session="a")
     assert expired.session == SessionInfo("a", turns=1, reset=True)
     unknown = ask(engine, second, session="never-seen")
