@@ -77,7 +77,7 @@ def forced_logits(engine: Engine, request: GenerateRequest, continuation: list[i
     full = ids + continuation[:-1]
     with engine.pool.acquire() as slot:
         slot.reset()
-        prompt = engine.assemble(slot, full, prepared.images, prepared.image_starts)
+        prompt = engine.prompts.assemble(slot, full, prepared.images, prepared.image_starts)
         assert prompt is not None
         n = len(ids)
         head = dataclasses.replace(prompt, ids=ids, positions=prompt.positions[:, :n],

@@ -13,15 +13,14 @@ import numpy as np
 from qvld.config import Config
 from qvld.engine.backend import SlotPool, common_prefix, load_models, release_file_pages
 from qvld.engine.cache import ImageCache
-from qvld.engine.generate import Prompt, mrope_positions, never, run_generation
-from qvld.engine.image import PixelBudget, PreparedImage, prepare
+from qvld.engine.generate import never, run_generation
+from qvld.engine.image import PixelBudget, PreparedImage
 from qvld.engine.model_dir import ModelSpec, load_model_spec
 from qvld.engine.prompt import ChatTemplate, TextTokenizer
-from qvld.engine.prompts import PromptBuilder
+from qvld.engine.prompts import HistoryLost, PromptBuilder, prompt_keys
 from qvld.engine.request import CheckedRequest, check, image_tokens, sampling
 from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
 from qvld.engine.sessions import Session, SessionStore, Turn, dropped, ids_through_stop
-from qvld.engine.slots import Slot
 from qvld.engine.types import (
     GenerateRequest,
     GenerateResult,
@@ -32,12 +31,6 @@ from qvld.engine.types import (
 )
 from qvld.engine.vision import ImageEmbedding, encode_image
 from qvld.errors import ModelInvalid, PromptTooLong
-
-
-class HistoryLost(Exception):
-    """A session's history cannot be rebuilt exactly: an image it needs has neither its
-    raw bytes (dropped past engine.session_image_mb) nor a cached embedding, and the KV
-    cache no longer holds it. The turn then starts the session afresh."""
 
 
 @dataclass
@@ -128,80 +121,6 @@ class Engine:
 
         Returns the ids, the images and the row where each image starts."""
         return self.prompts.build(self.check(request), self.cache_owner(uid), should_stop)
-
-    @staticmethod
-    def prompt_keys(ids: list[int], images: list[PreparedImage], starts: list[int]
-                    ) -> list[tuple[int, bytes | None]]:
-        """(token id, image digest) per row: equal keys mean equal KV rows."""
-        keys: list[tuple[int, bytes | None]] = [(t, None) for t in ids]
-        for image, start in zip(images, starts, strict=True):
-            for row in range(start, start + image.tokens):
-                keys[row] = (ids[row], image.digest)
-        return keys
-
-    def embed_image(self, slot: Slot, image: PreparedImage, owner: int | None = None,
-                    pinned: dict[bytes, ImageEmbedding] | None = None
-                    ) -> tuple[ImageEmbedding, bool]:
-        """The image's embedding, and whether it came from the cache (``owner``'s
-        entries, or one ``pinned`` since the request was prepared)."""
-        key = (owner, image.digest)
-        cached = self.images.get(key, (pinned or {}).get(image.digest))
-        if cached is not None:
-            return cached, True
-        if image.patches is None:  # evicted since it was prepared: decode again
-            if dropped(image):
-                raise HistoryLost(image.digest.hex())
-            image = prepare(image.data, self.spec.vision, image.budget,
-                            self.config.engine.max_decode_pixels)
-        embedding = encode_image(slot, image, self.spec.vision)
-        self.images.put(key, embedding)
-        return embedding, False
-
-    def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage],
-                 starts: list[int], should_stop: Callable[[], bool] = never,
-                 cached: int = 0, owner: int | None = None,
-                 pinned: dict[bytes, ImageEmbedding] | None = None) -> Prompt | None:
-        """Lay out embeddings, masks and positions; encode the images on ``slot``.
-
-        Images entirely inside the first ``cached`` rows (already in the KV cache) are
-        not encoded. None when ``should_stop`` fired between images. Raises HistoryLost
-        when a session image is needed whose bytes and embedding are both gone.
-        """
-        hidden, k = self.spec.hidden_size, self.spec.vision.deepstack_layers
-        visual_mask = np.zeros(len(ids), dtype=bool)
-        embeds, deepstack = [], []
-        hits = misses = 0
-        for image, start in zip(images, starts, strict=True):
-            visual_mask[start:start + image.tokens] = True
-            if start + image.tokens <= cached:
-                embeds.append(np.zeros((image.tokens, hidden), np.float32))
-                deepstack.append(np.zeros((k, image.tokens, hidden), np.float32))
-                continue
-            if should_stop():
-                return None
-            embedding, hit = self.embed_image(slot, image, owner, pinned)
-            if hit:
-                hits += 1
-            else:
-                misses += 1
-            embeds.append(embedding.embeds)
-            deepstack.append(embedding.deepstack)
-        positions, delta = mrope_positions(
-            len(ids), [(start, *image.merged_grid) for image, start in zip(images, starts,
-                                                                           strict=True)])
-        return Prompt(
-            ids=ids,
-            positions=positions,
-            rope_delta=delta,
-            visual_mask=visual_mask,
-            visual_embeds=np.concatenate(embeds) if embeds
-            else np.zeros((0, hidden), np.float32),
-            deepstack=np.concatenate(deepstack, axis=1) if deepstack
-            else np.zeros((k, 0, hidden), np.float32),
-            keys=self.prompt_keys(ids, images, starts),
-            image_cache_hits=hits,
-            image_cache_misses=misses,
-        )
 
     def prepare(self, request: GenerateRequest, uid: int = 0,
                 should_stop: Callable[[], bool] = never) -> PreparedRequest:
@@ -343,7 +262,7 @@ class Engine:
         request = prepared.request
         sampler = Sampler(prepared.params, ids, self.spec.vocab_size)
         eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
-        keys = self.prompt_keys(ids, images, starts)
+        keys = prompt_keys(ids, images, starts)
         owner = self.cache_owner(prepared.uid)
         with self.pool.acquire(keys, owner) as slot:
             # Reuse the longest prefix in the KV cache, but always feed the last prompt
@@ -351,7 +270,7 @@ class Engine:
             cached = min(common_prefix(slot.history, keys), len(ids) - 1)
             slot.trim(cached)
             t_vision = time.perf_counter()
-            prompt = self.assemble(slot, ids, images, starts, should_stop, cached, owner,
+            prompt = self.prompts.assemble(slot, ids, images, starts, should_stop, cached, owner,
                                    pinned)
             image_s = prepared.prepare_s + time.perf_counter() - t_vision
             if prompt is None:

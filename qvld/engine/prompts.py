@@ -1,10 +1,12 @@
-"""Prompts: checked messages -> the prompt's token ids and its decoded images.
+"""Prompts: checked messages -> token ids and decoded images -> what the language model
+takes (embeddings, visual mask, mRoPE positions, deepstack features).
 
-Everything before inference that depends on the model: the text is refused early when it
-cannot fit the context, rendered with the chat template (or, after a session's history,
-only what follows it), tokenised, and each image decoded, resized and patchified, with its
-placeholder expanded to its token count. Images seen before (by the same cache owner)
-skip decoding when their embedding is cached.
+``build`` is everything before inference that depends on the model: the text is refused
+early when it cannot fit the context, rendered with the chat template (or, after a
+session's history, only what follows it), tokenised, and each image decoded, resized and
+patchified, its placeholder expanded to its token count; an image seen before (by the
+same cache owner) skips decoding. ``assemble`` runs on a slot: it encodes the images not
+already in the KV cache (or takes their cached embeddings) and lays the prompt out.
 """
 
 from __future__ import annotations
@@ -12,18 +14,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from qvld.engine.cache import ImageCache
-from qvld.engine.generate import never
+from qvld.engine.generate import Prompt, mrope_positions, never
 from qvld.engine.image import PixelBudget, PreparedImage, image_digest, prepare
 from qvld.engine.model_dir import ModelSpec
 from qvld.engine.prompt import ChatTemplate, TextTokenizer, expand_image_pads
 from qvld.engine.request import CheckedRequest
+from qvld.engine.sessions import dropped
+from qvld.engine.slots import Slot
+from qvld.engine.vision import ImageEmbedding, encode_image
 from qvld.errors import BadRequest, PromptTooLong
 
 
 class PrepareStopped(Exception):
     """``should_stop`` fired between images (decoding a large one takes seconds): the
     caller knows whether that was a cancel or a deadline."""
+
+
+class HistoryLost(Exception):
+    """A session's history cannot be rebuilt exactly: an image it needs has neither its
+    raw bytes (dropped past engine.session_image_mb) nor a cached embedding, and the KV
+    cache no longer holds it. The turn then starts the session afresh."""
+
+
+def prompt_keys(ids: list[int], images: list[PreparedImage], starts: list[int]
+                ) -> list[tuple[int, bytes | None]]:
+    """(token id, image digest) per row: equal keys mean equal KV rows."""
+    keys: list[tuple[int, bytes | None]] = [(t, None) for t in ids]
+    for image, start in zip(images, starts, strict=True):
+        for row in range(start, start + image.tokens):
+            keys[row] = (ids[row], image.digest)
+    return keys
 
 
 class PromptBuilder:
@@ -93,3 +116,69 @@ class PromptBuilder:
                         f"the prompt's text is longer than the {room} tokens left in the "
                         f"context (engine.max_context_tokens {self.max_context})")
                 left -= count
+
+    # -- on a slot: the embeddings the language model takes ---------------------------
+
+    def embed_image(self, slot: Slot, image: PreparedImage, owner: int | None = None,
+                    pinned: dict[bytes, ImageEmbedding] | None = None
+                    ) -> tuple[ImageEmbedding, bool]:
+        """The image's embedding, and whether it came from the cache (``owner``'s
+        entries, or one ``pinned`` since the request was prepared)."""
+        key = (owner, image.digest)
+        cached = self.images.get(key, (pinned or {}).get(image.digest))
+        if cached is not None:
+            return cached, True
+        if image.patches is None:  # evicted since it was prepared: decode again
+            if dropped(image):
+                raise HistoryLost(image.digest.hex())
+            image = prepare(image.data, self.spec.vision, image.budget,
+                            self.max_decode_pixels)
+        embedding = encode_image(slot, image, self.spec.vision)
+        self.images.put(key, embedding)
+        return embedding, False
+
+    def assemble(self, slot: Slot, ids: list[int], images: list[PreparedImage],
+                 starts: list[int], should_stop: Callable[[], bool] = never,
+                 cached: int = 0, owner: int | None = None,
+                 pinned: dict[bytes, ImageEmbedding] | None = None) -> Prompt | None:
+        """Lay out embeddings, masks and positions; encode the images on ``slot``.
+
+        Images entirely inside the first ``cached`` rows (already in the KV cache) are
+        not encoded. None when ``should_stop`` fired between images. Raises HistoryLost
+        when a session image is needed whose bytes and embedding are both gone.
+        """
+        hidden, k = self.spec.hidden_size, self.spec.vision.deepstack_layers
+        visual_mask = np.zeros(len(ids), dtype=bool)
+        embeds, deepstack = [], []
+        hits = misses = 0
+        for image, start in zip(images, starts, strict=True):
+            visual_mask[start:start + image.tokens] = True
+            if start + image.tokens <= cached:
+                embeds.append(np.zeros((image.tokens, hidden), np.float32))
+                deepstack.append(np.zeros((k, image.tokens, hidden), np.float32))
+                continue
+            if should_stop():
+                return None
+            embedding, hit = self.embed_image(slot, image, owner, pinned)
+            if hit:
+                hits += 1
+            else:
+                misses += 1
+            embeds.append(embedding.embeds)
+            deepstack.append(embedding.deepstack)
+        positions, delta = mrope_positions(
+            len(ids), [(start, *image.merged_grid) for image, start in zip(images, starts,
+                                                                           strict=True)])
+        return Prompt(
+            ids=ids,
+            positions=positions,
+            rope_delta=delta,
+            visual_mask=visual_mask,
+            visual_embeds=np.concatenate(embeds) if embeds
+            else np.zeros((0, hidden), np.float32),
+            deepstack=np.concatenate(deepstack, axis=1) if deepstack
+            else np.zeros((k, 0, hidden), np.float32),
+            keys=prompt_keys(ids, images, starts),
+            image_cache_hits=hits,
+            image_cache_misses=misses,
+        )
