@@ -13,7 +13,7 @@ from qvld import __version__, protocol
 from qvld.config import Config
 from qvld.engine import Engine
 from qvld.engine.prompts import PrepareStopped
-from qvld.engine.request import parse_deadline, parse_generate
+from qvld.engine.request import bool_param, int_param, parse_deadline, parse_generate
 from qvld.errors import BadRequest, Forbidden, Timeout, Unavailable, UnsupportedVersion
 from qvld.metrics import Metrics
 from qvld.prepare import PrepareCancelled, PrepareStage
@@ -51,22 +51,6 @@ class DaemonState:
         while self.state == "loading" and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return self.require_engine()
-
-
-def _int(params: dict[str, Any], key: str) -> int | None:
-    value = params.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise BadRequest(f"{key} must be an integer")
-    return value
-
-
-def _bool(params: dict[str, Any], key: str) -> bool:
-    value = params.get(key, False)
-    if not isinstance(value, bool):
-        raise BadRequest(f"{key} must be true or false")
-    return value
 
 
 class Handlers:
@@ -225,7 +209,7 @@ class Handlers:
         return result.to_dict()
 
     async def cancel(self, ctx: RequestContext) -> dict[str, Any]:
-        target = _int(ctx.request.params, "target")
+        target = int_param(ctx.request.params, "target")
         if target is None:
             raise BadRequest("cancel needs params.target, the id of a request in flight")
         victim = ctx.connection.in_flight.get(target)
@@ -243,7 +227,7 @@ class Handlers:
         action = params.get("action", "list")
         admin = self.is_admin(ctx.peer)
         if action == "list":
-            everyone = _bool(params, "all")
+            everyone = bool_param(params, "all")
             if everyone and not admin:
                 raise Forbidden("listing every user's sessions is an admin op")
             return {"sessions": engine.sessions.list(None if everyone else ctx.peer.uid)}
@@ -251,7 +235,7 @@ class Handlers:
             sid = params.get("id")
             if not isinstance(sid, str):
                 raise BadRequest("sessions close needs params.id")
-            owner = _int(params, "uid")
+            owner = int_param(params, "uid")
             owner = ctx.peer.uid if owner is None else owner
             if owner != ctx.peer.uid and not admin:
                 raise Forbidden("closing another user's session is an admin op")

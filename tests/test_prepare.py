@@ -13,6 +13,13 @@ from qvld.errors import Busy, Timeout
 from qvld.prepare import PrepareCancelled, PrepareStage
 
 
+async def until(condition: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.005)
+
+
 def blocker() -> tuple[threading.Event, Any]:
     release = threading.Event()
 
@@ -80,7 +87,10 @@ def test_waiting_items_end_at_cancel_and_deadline_without_running() -> None:
         assert time.monotonic() - t0 < 1.0  # at its deadline, not when a thread frees
         release.set()
         assert await stage.result(running) == "slow"
-        await asyncio.sleep(0.1)
+        # One worker, taking items in order: once a later item is done, the two before
+        # it were either run or dropped.
+        assert await stage.result(stage.submit(3, lambda: "after", time.monotonic() + 30)) \
+            == "after"
         assert ran == []  # neither was ever run
         stage.close()
 
@@ -93,7 +103,7 @@ def test_busy_beyond_the_queue_and_close_ends_the_waiting() -> None:
         release, slow = blocker()
         far = time.monotonic() + 30
         stage.submit(0, slow, far)
-        await asyncio.sleep(0.05)  # taken by the worker: no longer waiting
+        await until(lambda: stage.waiting == 0)  # taken by the worker: no longer waiting
         waiting = [stage.submit(1, lambda: None, far) for _ in range(2)]
         with pytest.raises(Busy):
             stage.submit(2, lambda: None, far)

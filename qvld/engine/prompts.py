@@ -105,17 +105,21 @@ class PromptBuilder:
         """Refuse text that cannot fit ``room`` tokens before templating and tokenising
         it whole: a 30 MB text part would otherwise cost gigabytes and seconds."""
         left = room - 1  # at least one token is generated
-        for message in shown:
-            content = message["content"]
-            texts = [content] if isinstance(content, str) else [
-                part["text"] for part in content if part["type"] == "text"]
-            for text in texts:
-                count = self.tokenizer.count_within(text, left)
-                if count is None:
-                    raise PromptTooLong(
-                        f"the prompt's text is longer than the {room} tokens left in the "
-                        f"context (engine.max_context_tokens {self.max_context})")
-                left -= count
+        texts = [text for message in shown for text in (
+            [message["content"]] if isinstance(message["content"], str) else
+            [part["text"] for part in message["content"] if part["type"] == "text"])]
+        # A token stands for at least one byte: text of no more bytes than the room fits
+        # (the usual case), with no counting. Characters first, so that a huge text is
+        # not copied to bytes.
+        if sum(map(len, texts)) <= left and sum(len(t.encode()) for t in texts) <= left:
+            return
+        for text in texts:
+            count = self.tokenizer.count_within(text, left)
+            if count is None:
+                raise PromptTooLong(
+                    f"the prompt's text is longer than the {room} tokens left in the "
+                    f"context (engine.max_context_tokens {self.max_context})")
+            left -= count
 
     # -- on a slot: the embeddings the language model takes ---------------------------
 

@@ -32,7 +32,7 @@ ROLES = frozenset({"system", "user", "assistant"})
 
 # -- the wire's params -----------------------------------------------------------------
 
-def _int(params: dict[str, Any], key: str) -> int | None:
+def int_param(params: dict[str, Any], key: str) -> int | None:
     value = params.get(key)
     if value is None:
         return None
@@ -41,7 +41,7 @@ def _int(params: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _number(params: dict[str, Any], key: str) -> float | None:
+def number_param(params: dict[str, Any], key: str) -> float | None:
     """A finite number: NaN fails every comparison, so a NaN deadline would never pass
     and a NaN sampling parameter would slip through range checks."""
     value = params.get(key)
@@ -58,7 +58,7 @@ def _number(params: dict[str, Any], key: str) -> float | None:
     return number
 
 
-def _bool(params: dict[str, Any], key: str) -> bool:
+def bool_param(params: dict[str, Any], key: str) -> bool:
     value = params.get(key, False)
     if not isinstance(value, bool):
         raise BadRequest(f"{key} must be true or false")
@@ -67,7 +67,7 @@ def _bool(params: dict[str, Any], key: str) -> bool:
 
 def parse_deadline(params: dict[str, Any]) -> float | None:
     """``deadline_s``: seconds, > 0 (capped by server.request_timeout_s by the caller)."""
-    deadline_s = _number(params, "deadline_s")
+    deadline_s = number_param(params, "deadline_s")
     if deadline_s is not None and deadline_s <= 0:
         raise BadRequest("deadline_s must be > 0")
     return deadline_s
@@ -98,25 +98,25 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
     if session is not None and (not isinstance(session, str)
                                 or not protocol.SESSION_ID.fullmatch(session)):
         raise BadRequest("session must be 1-128 characters of [A-Za-z0-9._-]")
-    seed = _int(params, "seed")
+    seed = int_param(params, "seed")
     if seed is not None and not 0 <= seed < 2 ** 63:
         raise BadRequest("seed must be within [0, 2^63)")
     parse_deadline(params)
     request = GenerateRequest(
         messages=params.get("messages"),  # type: ignore[arg-type]  # check() types them
-        max_tokens=_int(params, "max_tokens"),
-        temperature=_number(params, "temperature"),
-        top_p=_number(params, "top_p"),
-        top_k=_int(params, "top_k"),
-        repetition_penalty=_number(params, "repetition_penalty"),
-        presence_penalty=_number(params, "presence_penalty") or 0.0,
+        max_tokens=int_param(params, "max_tokens"),
+        temperature=number_param(params, "temperature"),
+        top_p=number_param(params, "top_p"),
+        top_k=int_param(params, "top_k"),
+        repetition_penalty=number_param(params, "repetition_penalty"),
+        presence_penalty=number_param(params, "presence_penalty") or 0.0,
         seed=seed,
         stop=_stop(params),
-        ignore_eos=_bool(params, "ignore_eos"),
-        max_image_tokens=_int(params, "max_image_tokens"),
+        ignore_eos=bool_param(params, "ignore_eos"),
+        max_image_tokens=int_param(params, "max_image_tokens"),
         session=session,
     )
-    return request, _bool(params, "stream")
+    return request, bool_param(params, "stream")
 
 
 # -- against the engine's limits and the model's defaults ------------------------------
