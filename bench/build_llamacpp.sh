@@ -1,5 +1,5 @@
 #!/bin/sh
-# Build llama.cpp's llama-mtmd-cli and llama-quantize from the copy vendored in the
+# Build llama.cpp's llama-mtmd-cli, llama-server and llama-quantize from the copy vendored in the
 # llama-cpp-python sdist on PyPI (the only route to llama.cpp's source from here), into
 # $QVLD_BENCH_CACHE/llama.cpp (default ~/.cache/qvld-bench). Idempotent: a finished build
 # is kept. Usage: bench/build_llamacpp.sh [PYTHON]
@@ -10,7 +10,7 @@ set -eu
 python=${1:-python3}
 cache=${QVLD_BENCH_CACHE:-$HOME/.cache/qvld-bench}
 dest=$cache/llama.cpp
-stamp=$dest/build/.qvld-build-no-amx
+stamp=$dest/build/.qvld-build-no-amx-server
 if [ -f "$stamp" ]; then
     echo "llama.cpp already built in $dest"
     exit 0
@@ -31,7 +31,7 @@ cmake -S "$dest" -B "$dest/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NAT
     -DGGML_AVX512="$avx512" -DGGML_AVX512_VBMI="$avx512" -DGGML_AVX512_VNNI="$vnni" \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
-cmake --build "$dest/build" --target llama-mtmd-cli llama-quantize -j "$(nproc)"
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF
+cmake --build "$dest/build" --target llama-mtmd-cli llama-server llama-quantize -j "$(nproc)"
 touch "$stamp"
-echo "built $dest/build/bin/llama-mtmd-cli"
+echo "built $dest/build/bin/llama-mtmd-cli and llama-server"

@@ -129,7 +129,9 @@ class App:
         self.metrics.bind(in_flight=lambda: self.scheduler.running + self.scheduler.waiting,
                           queue_depth=lambda: self.scheduler.waiting,
                           sessions=lambda: len(self.state.engine.sessions)
-                          if self.state.engine is not None else 0)
+                          if self.state.engine is not None else 0,
+                          batch=lambda: self.state.engine.batch_stats()
+                          if self.state.engine is not None else {})
         self.exporter: Exporter | None = None
         self.prepare_stage: PrepareStage | None = None
         self._model_files = _model_fingerprint(config.model.path)
@@ -159,6 +161,8 @@ class App:
             engine.warmup()
         ready_s = time.perf_counter() - t0
         log.info("model ready in %.1f s", ready_s)
+        if engine.batch is not None:
+            engine.batch.on_step = self.metrics.observe_step
         name, version = engine.runtime
         self.metrics.set_model(__version__, name, version, engine.spec.name,
                                engine.models.runtime_properties["INFERENCE_PRECISION_HINT"],
@@ -225,6 +229,11 @@ class App:
                 "session_image_bytes": sessions["image_bytes"],
                 "session_image_budget_bytes": sessions["image_budget_bytes"],
             }
+            batch = stats["batch"]
+            if "sequences" in batch:  # a user sees their own running generations only
+                batch = {**batch, "sequences": [s for s in batch["sequences"]
+                                                if viewer in (None, s["uid"])]}
+            details["batch"] = batch
         return details
 
     async def _extend_start_timeout(self) -> None:

@@ -108,6 +108,12 @@ class EngineConfig(_Section):
     # Reuse KV prefixes and image embeddings across users. Cheaper shared prompts, but
     # cached_tokens and timings then tell a user what others asked: off by default.
     share_caches: bool = False
+    # Every running generation advances in one pass over the weights per step (paged KV
+    # cache, OpenVINO backend only); off: each runs alone on its own infer request.
+    continuous_batching: bool = True
+    # Rows one step feeds the language model: every running generation's next token
+    # first, then prompt chunks of new ones up to this many.
+    max_batch_tokens: int = Field(512, ge=1)
 
     @field_validator("streams")
     @classmethod

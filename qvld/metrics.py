@@ -35,6 +35,9 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.25,
                  0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0)
 OUTCOMES = ("ok", "cancelled", *ERRORS_BY_CODE)
+# Generations per batched step, and prompt rows fed per step.
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PREFILL_ROW_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 
@@ -98,17 +101,50 @@ class Metrics:
         self.preflight = Gauge("qvld_preflight_check",
                                "Preflight checks: 1 for the status each check has.",
                                ("check", "status"), registry=registry)
+        self.kv_usage = Gauge("qvld_kv_cache_usage_ratio",
+                              "KV-cache blocks held by running generations, 0 to 1 (cached "
+                              "prefixes count as free: they give way).", registry=registry)
+        self.kv_blocks = Gauge("qvld_kv_cache_blocks", "KV-cache blocks by state: held by "
+                               "generations, cached prefixes, free.", ("state",),
+                               registry=registry)
+        self.batch_sequences = Gauge("qvld_batch_sequences", "Generations in the batched step "
+                                     "loop, decoding or feeding their prompt.", ("state",),
+                                     registry=registry)
+        self.batch_size = histogram("qvld_batch_sequences_per_step",
+                                    "Generations advanced by one batched step.", BATCH_BUCKETS)
+        self.step_prefill = histogram("qvld_batch_prefill_tokens_per_step",
+                                      "Prompt rows fed in one batched step.", PREFILL_ROW_BUCKETS)
         ProcessCollector(registry=registry)
         # Pre-create the request series that alert rules divide by, so they exist at 0.
         for op in ("generate", "health"):
             self.requests.labels(op, "ok")
 
     def bind(self, in_flight: Callable[[], float], queue_depth: Callable[[], float],
-             sessions: Callable[[], float]) -> None:
-        """Live gauges, read at scrape time."""
+             sessions: Callable[[], float],
+             batch: Callable[[], dict[str, Any]] = dict) -> None:
+        """Live gauges, read at scrape time (``batch``: the engine's batch_stats)."""
         self.in_flight.set_function(in_flight)
         self.queue_depth.set_function(queue_depth)
         self.sessions_active.set_function(sessions)
+
+        def read(*path: str) -> Callable[[], float]:
+            def value() -> float:
+                node: Any = batch()
+                for key in path:
+                    node = node.get(key, {}) if isinstance(node, dict) else {}
+                return float(node) if isinstance(node, int | float) else 0.0
+            return value
+
+        self.kv_usage.set_function(read("kv_usage_ratio"))
+        for state in ("held", "cached", "free"):
+            self.kv_blocks.labels(state).set_function(read("kv_blocks", state))
+        for state in ("decoding", "prefilling"):
+            self.batch_sequences.labels(state).set_function(read(state))
+
+    def observe_step(self, sequences: int, prefill_rows: int) -> None:
+        """One batched step: how many generations it advanced, how many prompt rows."""
+        self.batch_size.observe(sequences)
+        self.step_prefill.observe(prefill_rows)
 
     def observe_request(self, op: object, outcome: str, seconds: float) -> None:
         label = protocol.op_label(op)

@@ -37,6 +37,30 @@ def wait_for(predicate: Callable[[], T], timeout: float = 30, what: str = "",
         time.sleep(interval)  # the polling interval
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (for a metrics listener)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+# (sample name, sorted labels) -> value, as Prometheus' own text parser reads them.
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
 def parity_config(path: Path, backend: str = "openvino", **engine: Any) -> Config:
     """f32 compute and f32 KV cache: the setting whose ids must equal transformers'."""
     return Config(
@@ -44,6 +68,15 @@ def parity_config(path: Path, backend: str = "openvino", **engine: Any) -> Confi
                           backend=backend),  # type: ignore[arg-type]
         engine=EngineConfig(**{"infer_requests": 2, **engine}),
     )
+
+
+def reused(engine: Engine, rows: int) -> int:
+    """The KV rows ``engine`` reuses of a cached prefix of ``rows`` rows: all of them on a
+    slot of its own, whole blocks with continuous batching (its prefix cache keeps full
+    blocks only)."""
+    if engine.blocks is None:
+        return rows
+    return rows // engine.blocks.block_size * engine.blocks.block_size
 
 
 def load_reference(path: Path) -> dict[str, Any]:

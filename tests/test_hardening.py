@@ -29,7 +29,7 @@ from PIL import Image
 
 from qvld import protocol
 from qvld.errors import QvlError
-from tests.conftest import NOBODY, Daemon, HealthProbe, run_as, wait_for
+from tests.conftest import NOBODY, Daemon, HealthProbe, free_port, run_as, wait_for
 
 MiB = 1 << 20
 pytestmark = pytest.mark.slow
@@ -94,12 +94,6 @@ def still_good(daemon: Daemon) -> None:
         result = client.generate({"messages": [{"role": "user", "content": "Hi"}],
                                   "max_tokens": 2})
         assert len(result["token_ids"]) == 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,15 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as 
 IMAGE = (TINY / "images" / "small.png").read_bytes()  # small: frames travel in argv
 
 
+# Longer than one KV block (the prefix cache keeps whole blocks).
+PREAMBLE = "Look at the picture below with care, then answer in one short sentence. " * 2
+
+
 def question(text: str) -> dict[str, Any]:
     # The text before the image: another question about the same image shares only the
-    # first few prompt rows, so the image itself is looked up in the embedding cache.
+    # first prompt rows, so the image itself is looked up in the embedding cache.
     return {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": text}, {"type": "image", "image": IMAGE}]}],
+        {"type": "text", "text": PREAMBLE + text}, {"type": "image", "image": IMAGE}]}],
         "max_tokens": 2, "temperature": 0}
 
 

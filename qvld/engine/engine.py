@@ -12,8 +12,10 @@ import numpy as np
 
 from qvld.config import Config
 from qvld.engine.backend import SlotPool, common_prefix, load_models, release_file_pages
+from qvld.engine.batch import BatchRunner, BatchSequence
+from qvld.engine.blocks import BlockPool, NoBlocks
 from qvld.engine.cache import ImageCache
-from qvld.engine.generate import never, run_generation
+from qvld.engine.generate import Decoding, Outcome, Prompt, never, run_generation
 from qvld.engine.image import PixelBudget, PreparedImage
 from qvld.engine.model_dir import ModelSpec, load_model_spec
 from qvld.engine.prompt import ChatTemplate, TextTokenizer
@@ -30,7 +32,7 @@ from qvld.engine.types import (
     Usage,
 )
 from qvld.engine.vision import ImageEmbedding, encode_image
-from qvld.errors import ModelInvalid, PromptTooLong
+from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
 
 
 @dataclass
@@ -84,17 +86,41 @@ class Engine:
         self.tokenizer = TextTokenizer(config.model.path / "tokenizer.json")
         self.template = ChatTemplate(self.spec.chat_template, self.spec.special_tokens)
         self.models = load_models(self.spec, config.model, config.engine)
-        budget = config.engine.kv_retained_bytes // self.models.kv_bytes_per_token
+        self.max_context = min(config.engine.max_context_tokens,
+                               self.spec.max_position_embeddings)
+        budget: int | None = config.engine.kv_retained_bytes // self.models.kv_bytes_per_token
+        # With continuous batching the slots only encode images and embed prompts; the
+        # language model steps every generation at once in the batch runner.
+        self.batch: BatchRunner | None = None
+        self.blocks: BlockPool | None = None
+        if self.models.paged:
+            self.blocks = self._block_pool(config)
+            paged = self.models.new_paged(self.blocks.num_blocks)
+            self.batch = BatchRunner(paged, self.blocks, config.engine.max_batch_tokens,
+                                     config.engine.prefill_chunk)
+            budget = None
         self.pool = SlotPool(self.models, config.engine.infer_requests, budget_tokens=budget)
         self.images = ImageCache(config.engine.image_cache_mb << 20)
         self.sessions = SessionStore(config.engine.sessions_max, config.engine.session_ttl_s,
                                      per_user=config.engine.sessions_per_user,
                                      image_budget_bytes=config.engine.session_image_mb << 20)
-        self.max_context = min(config.engine.max_context_tokens,
-                               self.spec.max_position_embeddings)
         self.prompts = PromptBuilder(self.spec, self.tokenizer, self.template, self.images,
                                      config.engine.max_decode_pixels, self.max_context)
         self.load_s = time.perf_counter() - t0
+
+    def _block_pool(self, config: Config) -> BlockPool:
+        """Blocks for the KV budget (engine.kv_cache_mb; what the scheduler admits by),
+        plus one per generation for its partly filled last block, and never more than
+        every generation at full context twice over (the rest a prefix cache). With
+        kv_cache_mb 0: every generation at full context, and no prefix cache."""
+        engine = config.engine
+        size = self.models.kv_block_size
+        per_block = self.models.kv_bytes_per_token * size
+        full = engine.infer_requests * (-(-self.max_context // size) + 1)
+        if not engine.kv_cache_mb:
+            return BlockPool(full, size, retain=False)
+        budget = engine.kv_admission_bytes or 0
+        return BlockPool(min(budget // per_block + engine.infer_requests, 2 * full), size)
 
     # -- requests -------------------------------------------------------------------
 
@@ -170,7 +196,7 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """The model, the runtime and the caches, for status (nothing outside the engine
         reaches into its pool or caches)."""
-        return {
+        out: dict[str, Any] = {
             "name": self.spec.name,
             "path": str(self.spec.path),
             "load_s": round(self.load_s, 3),
@@ -182,13 +208,37 @@ class Engine:
             "kv_budget_tokens": self.pool.budget_tokens,
             "image_cache": self.images.stats(),
             "sessions": self.sessions.stats(),
+            "batch": self.batch_stats(),
         }
+        if self.blocks is not None:  # rows held by running generations or kept as prefixes
+            blocks = self.blocks.stats()
+            out["kv_cached_tokens"] = (blocks["held"] + blocks["cached"]) * blocks["block_size"]
+            out["kv_budget_tokens"] = blocks["blocks"] * blocks["block_size"]
+        return out
+
+    def batch_stats(self) -> dict[str, Any]:
+        """Continuous batching: whether it is on, the step loop's counters, the KV blocks,
+        and every running generation (uid, rows fed, tokens so far)."""
+        if self.batch is None or self.blocks is None:
+            why = ("engine.continuous_batching is off" if self.config.model.backend == "openvino"
+                   else f"the {self.models.runtime} backend runs one generation per step")
+            return {"continuous_batching": False, "reason": why}
+        decoding, prefilling = self.batch.counts()
+        return {"continuous_batching": True,
+                "max_batch_tokens": self.batch.max_batch_tokens,
+                "steps": self.batch.steps, "peak_sequences": self.batch.peak_sequences,
+                "decoding": decoding, "prefilling": prefilling,
+                "kv_blocks": self.blocks.stats(),
+                "kv_usage_ratio": round(self.blocks.usage_ratio(), 4),
+                "sequences": self.batch.sequences()}
 
     def infer_stuck(self, bound_s: float) -> bool:
         """Whether an inference call has been running for longer than ``bound_s``."""
         now = time.monotonic()
-        return any(slot.busy_since is not None and now - slot.busy_since > bound_s
-                   for slot in self.pool.slots)
+        started = [slot.busy_since for slot in self.pool.slots]
+        if self.batch is not None:
+            started.append(self.batch.busy_since)
+        return any(t is not None and now - t > bound_s for t in started)
 
     def kv_bytes(self, tokens: int) -> int:
         """KV-cache memory ``tokens`` positions take at the runtime's KV precision."""
@@ -260,33 +310,17 @@ class Engine:
              pinned: dict[bytes, ImageEmbedding] | None = None) -> GenerateResult:
         t0 = time.perf_counter()
         request = prepared.request
-        sampler = Sampler(prepared.params, ids, self.spec.vocab_size)
-        eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
-        keys = prompt_keys(ids, images, starts)
-        owner = self.cache_owner(prepared.uid)
-        with self.pool.acquire(keys, owner) as slot:
-            # Reuse the longest prefix in the KV cache, but always feed the last prompt
-            # row: its logits give the first token.
-            cached = min(common_prefix(slot.history, keys), len(ids) - 1)
-            slot.trim(cached)
-            t_vision = time.perf_counter()
-            prompt = self.prompts.assemble(slot, ids, images, starts, should_stop, cached, owner,
-                                   pinned)
-            image_s = prepared.prepare_s + time.perf_counter() - t_vision
-            if prompt is None:
-                return self._cancelled(prepared, t0, image_s)
-            t_generate = time.perf_counter()
-            outcome = run_generation(
-                slot, prompt, self.tokenizer, sampler,
-                max_tokens=prepared.max_tokens,
-                max_context=self.max_context,
-                eos_ids=eos,
-                stops=StopStrings(request.stop),
-                chunk=self.config.engine.prefill_chunk,
-                cached=cached,
-                on_token=on_token,
-                should_stop=should_stop,
-            )
+        decoding = Decoding(
+            self.tokenizer, Sampler(prepared.params, ids, self.spec.vocab_size),
+            prompt_len=len(ids), max_tokens=prepared.max_tokens, max_context=self.max_context,
+            eos_ids=() if request.ignore_eos else self.spec.generation.eos_token_ids,
+            stops=StopStrings(request.stop), on_token=on_token, should_stop=should_stop)
+        run = self._run_batched if self.batch is not None else self._run_alone
+        ran = run(prepared, ids, images, starts, decoding, pinned)
+        if ran is None:
+            return self._cancelled(prepared, t0, prepared.prepare_s + time.perf_counter() - t0)
+        prompt, outcome, t_vision, t_generate = ran
+        image_s = prepared.prepare_s + t_generate - t_vision
         return GenerateResult(
             text=outcome.text,
             token_ids=outcome.token_ids,
@@ -308,6 +342,67 @@ class Engine:
             image_cache_hits=prompt.image_cache_hits,
             image_cache_misses=prompt.image_cache_misses,
         )
+
+    def _run_alone(self, prepared: PreparedRequest, ids: list[int],
+                   images: list[PreparedImage], starts: list[int], decoding: Decoding,
+                   pinned: dict[bytes, ImageEmbedding] | None
+                   ) -> tuple[Prompt, Outcome, float, float] | None:
+        """On a slot of its own: prompt, outcome, when vision and generation started."""
+        keys = prompt_keys(ids, images, starts)
+        owner = self.cache_owner(prepared.uid)
+        with self.pool.acquire(keys, owner) as slot:
+            # Reuse the longest prefix in the KV cache, but always feed the last prompt
+            # row: its logits give the first token.
+            cached = min(common_prefix(slot.history, keys), len(ids) - 1)
+            slot.trim(cached)
+            t_vision = time.perf_counter()
+            prompt = self.prompts.assemble(slot, ids, images, starts, decoding.should_stop,
+                                           cached, owner, pinned)
+            if prompt is None:
+                return None
+            t_generate = time.perf_counter()
+            outcome = run_generation(slot, prompt, decoding,
+                                     chunk=self.config.engine.prefill_chunk, cached=cached)
+        return prompt, outcome, t_vision, t_generate
+
+    def _run_batched(self, prepared: PreparedRequest, ids: list[int],
+                     images: list[PreparedImage], starts: list[int], decoding: Decoding,
+                     pinned: dict[bytes, ImageEmbedding] | None
+                     ) -> tuple[Prompt, Outcome, float, float] | None:
+        """In the batch runner: blocks leased (a cached prefix reused), images encoded
+        and the prompt embedded on this thread's slot, then stepped with the others."""
+        assert self.batch is not None and self.blocks is not None
+        keys = prompt_keys(ids, images, starts)
+        owner = self.cache_owner(prepared.uid)
+        rows = min(len(ids) + prepared.max_tokens, self.max_context)
+        try:
+            lease = self.blocks.wait_acquire(keys, owner, rows, decoding.should_stop)
+        except NoBlocks as exc:  # larger than the whole cache: no wait can help
+            raise BadRequest(f"this request needs more KV cache than engine.kv_cache_mb "
+                             f"holds ({exc}); ask for fewer tokens") from None
+        if lease is None:
+            return None
+        try:
+            cached = lease.shared
+            with self.pool.acquire() as slot:
+                t_vision = time.perf_counter()
+                prompt = self.prompts.assemble(slot, ids, images, starts,
+                                               decoding.should_stop, cached, owner, pinned)
+                if prompt is None:
+                    self.blocks.release(lease)
+                    return None
+                embeds = slot.embed(np.asarray(ids[cached:]))
+            visual = prompt.visual_mask[cached:]
+            if visual.any():
+                rows_of = np.cumsum(prompt.visual_mask)[cached:][visual] - 1
+                embeds[visual] = prompt.visual_embeds[rows_of]
+        except BaseException:
+            self.blocks.release(lease)
+            raise
+        t_generate = time.perf_counter()
+        seq = BatchSequence(prompt=prompt, embeds=embeds, lease=lease, owner=owner,
+                            decoding=decoding, uid=prepared.uid)
+        return prompt, self.batch.run(seq), t_vision, t_generate
 
     def _cancelled(self, prepared: PreparedRequest, t0: float, image_s: float) -> GenerateResult:
         total = prepared.prepare_s + time.perf_counter() - t0

@@ -95,84 +95,114 @@ def never() -> bool:
     return False
 
 
-def run_generation(
-    slot: Slot,
-    prompt: Prompt,
-    tokenizer: TextTokenizer,
-    sampler: Sampler,
-    *,
-    max_tokens: int,
-    max_context: int,
-    eos_ids: Sequence[int],
-    stops: StopStrings,
-    chunk: int,
-    cached: int = 0,
-    on_token: TokenCallback | None = None,
-    should_stop: Callable[[], bool] | None = None,
-) -> Outcome:
+class Decoding:
+    """One generation's token choice, stop rules and streamed text, step by step: the
+    part of decoding that does not care how the logits were computed (alone on a slot,
+    or batched with others)."""
+
+    def __init__(self, tokenizer: TextTokenizer, sampler: Sampler, *, prompt_len: int,
+                 max_tokens: int, max_context: int, eos_ids: Sequence[int],
+                 stops: StopStrings, on_token: TokenCallback | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        self.sampler = sampler
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.max_context = max_context
+        self.eos = set(eos_ids)
+        self.stops = stops
+        self.on_token = on_token
+        self.should_stop = should_stop or never
+        self.text = IncrementalText(tokenizer)
+        self.released = 0  # characters of text already passed to on_token
+        self.pending: list[int] = []  # ids not yet passed to on_token
+        self.finish: FinishReason | None = None
+        self.stop_at: int | None = None
+        self.gaps: list[float] = []
+        self.t_first = 0.0
+        self.t_last = 0.0
+
+    def accept(self, logits: np.ndarray) -> int | None:
+        """Choose the next token from ``logits`` (changed in place) and stream what became
+        final; the token to feed next, or None when a stop rule fired (``finish``)."""
+        token = self.sampler.choose(logits)
+        now = time.perf_counter()
+        if not self.text.ids:
+            self.t_first = now
+        else:
+            self.gaps.append(now - self.t_last)
+        self.t_last = now
+        text, stops = self.text, self.stops
+        # Only text the new token can have changed is searched for stop strings.
+        searched = max(0, text.settled_length - stops.longest + 1)
+        text.add(token)
+        self.pending.append(token)
+        if token in self.eos or (stops.stops and (
+                stop_at := stops.find(text.text, searched)) is not None and
+                self._stop(stop_at)):
+            self.finish = "stop"
+        elif (len(text.ids) >= self.max_tokens
+              or self.prompt_len + len(text.ids) >= self.max_context):
+            self.finish = "length"
+        elif self.should_stop():
+            self.finish = "cancelled"
+        if self.finish is not None:
+            self._flush()
+            return None
+        if self.on_token is not None:
+            stable = text.stable_text()
+            limit = len(stable) - stops.holdback(stable)
+            if limit > self.released:
+                self.on_token(stable[self.released:limit], self.pending)
+                self.released, self.pending = limit, []
+        return token
+
+    def _stop(self, at: int) -> bool:
+        self.stop_at = at
+        return True
+
+    def cancel(self) -> None:
+        """End it as cancelled (before or between tokens)."""
+        self.finish = "cancelled"
+        self._flush()
+
+    @property
+    def final_text(self) -> str:
+        return self.text.text if self.stop_at is None else self.text.text[:self.stop_at]
+
+    def _flush(self) -> None:
+        final = self.final_text
+        if self.on_token is not None and (len(final) > self.released or self.pending):
+            self.on_token(final[self.released:], self.pending)
+            self.released, self.pending = len(final), []
+
+    def outcome(self, t0: float, t_prefill: float, cached: int) -> Outcome:
+        """The result, timed from ``t0`` (start) and ``t_prefill`` (prompt fed)."""
+        assert self.finish is not None
+        t_end = time.perf_counter()
+        first = self.t_first or t_end
+        return Outcome(token_ids=self.text.ids, text=self.final_text,
+                       finish_reason=self.finish, prefill_s=t_prefill - t0,
+                       ttft_s=(first - t0) if self.text.ids else 0.0,
+                       decode_s=(t_end - first) if self.text.ids else 0.0,
+                       cached_tokens=cached, token_gaps=self.gaps)
+
+
+def run_generation(slot: Slot, prompt: Prompt, decoding: Decoding, *, chunk: int,
+                   cached: int = 0) -> Outcome:
     """Prefill ``prompt`` from row ``cached`` on, then decode until a stop rule fires."""
-    should_stop = should_stop or never
     t0 = time.perf_counter()
-    logits = prefill(slot, prompt, cached, chunk, should_stop)
+    logits = prefill(slot, prompt, cached, chunk, decoding.should_stop)
     if logits is None:
-        elapsed = time.perf_counter() - t0
-        return Outcome([], "", "cancelled", elapsed, 0.0, 0.0, cached)
+        decoding.cancel()
+        return decoding.outcome(t0, time.perf_counter(), cached)
     t_prefill = time.perf_counter()
-    text = IncrementalText(tokenizer)
-    released = 0  # characters of text already passed to on_token
-    pending: list[int] = []  # ids not yet passed to on_token
-    finish: FinishReason | None = None
-    t_first = t_prefill
-    eos = set(eos_ids)
-    stop_at: int | None = None
-    gaps: list[float] = []
-    t_last = 0.0
     # Decode-step inputs, reused every step.
     position = np.zeros((3, 1), dtype=np.int64)
     token_buf = np.zeros(1, dtype=np.int64)
     no_visual = np.zeros(1, dtype=bool)
-    while True:
-        token = sampler.choose(logits)
-        now = time.perf_counter()
-        if not text.ids:
-            t_first = now
-        else:
-            gaps.append(now - t_last)
-        t_last = now
-        # Only text the new token can have changed is searched for stop strings.
-        searched = max(0, text.settled_length - stops.longest + 1)
-        text.add(token)
-        pending.append(token)
-        if token in eos or (stops.stops and
-                            (stop_at := stops.find(text.text, searched)) is not None):
-            finish = "stop"
-        elif len(text.ids) >= max_tokens or len(prompt.ids) + len(text.ids) >= max_context:
-            finish = "length"
-        elif should_stop():
-            finish = "cancelled"
-        if finish is not None:
-            break
-        if on_token is not None:
-            stable = text.stable_text()
-            limit = len(stable) - stops.holdback(stable)
-            if limit > released:
-                on_token(stable[released:limit], pending)
-                released, pending = limit, []
+    while (token := decoding.accept(logits)) is not None:
         position[:] = slot.past_len + prompt.rope_delta
         token_buf[0] = token
         logits = slot.step(slot.embed(token_buf), position, no_visual, slot.no_deepstack())
         slot.history.append((token, None))
-    final = text.text if stop_at is None else text.text[:stop_at]
-    if on_token is not None and (len(final) > released or pending):
-        on_token(final[released:], pending)
-    t_end = time.perf_counter()
-    return Outcome(
-        token_ids=text.ids,
-        text=final,
-        finish_reason=finish,
-        prefill_s=t_prefill - t0,
-        ttft_s=t_first - t0,
-        decode_s=t_end - t_first,
-        cached_tokens=cached,
-        token_gaps=gaps,
-    )
+    return decoding.outcome(t0, t_prefill, cached)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import onnxruntime as ort
@@ -100,6 +100,8 @@ class SessionModels:
                              for p in (spec.onnx(sub), spec.onnx(sub).with_name(
                                  spec.onnx(sub).name + ".data")) if p.exists()}
         self.runtime = "onnxruntime"
+        self.paged = False  # one sequence per step: no continuous batching here
+        self.kv_block_size = 0
         self.runtime_version = str(ort.__version__)
         self.runtime_properties = {
             "BACKEND": f"onnxruntime {ort.__version__}",
@@ -112,6 +114,9 @@ class SessionModels:
 
     def new_slot(self) -> Slot:
         return Slot(self)
+
+    def new_paged(self, num_blocks: int) -> NoReturn:
+        raise NotImplementedError("the ONNX Runtime backend runs one generation per slot")
 
 
 def _first_line(exc: BaseException) -> str:

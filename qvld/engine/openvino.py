@@ -11,6 +11,7 @@ The compiled-model cache is verified before OpenVINO sees it (``model_cache``).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
+from openvino._offline_transformations import paged_attention_transformation
 
 from qvld.config import EngineConfig, ModelConfig
 from qvld.engine.model_cache import cache_key, open_model_cache
@@ -32,6 +34,14 @@ log = logging.getLogger("qvld.engine")
 _PASS_THROUGH = {"Convert", "Multiply", "Divide", "Add", "Tanh"}
 
 
+def _lm_head(model: ov.Model) -> Any:
+    """The MatMul that makes the logits (through casts and soft-capping), or None."""
+    node = model.output("logits").get_node().input_value(0).get_node()
+    while node.get_type_name() in _PASS_THROUGH:
+        node = node.input_value(0).get_node()
+    return node if node.get_type_name() == "MatMul" else None
+
+
 def slice_logits_to_last_position(model: ov.Model) -> bool:
     """Make the LM compute logits for the last position only.
 
@@ -39,10 +49,8 @@ def slice_logits_to_last_position(model: ov.Model) -> bool:
     hidden states before the lm_head MatMul turns that into [B,1,V]. Returns whether
     the graph was changed (False if it has no recognisable lm_head).
     """
-    node = model.output("logits").get_node().input_value(0).get_node()
-    while node.get_type_name() in _PASS_THROUGH:
-        node = node.input_value(0).get_node()
-    if node.get_type_name() != "MatMul":
+    node = _lm_head(model)
+    if node is None:
         return False
     hidden = node.input_value(0)
     if hidden.get_partial_shape().rank.get_length() != 3:
@@ -55,6 +63,29 @@ def slice_logits_to_last_position(model: ov.Model) -> bool:
         np.array([1], dtype=np.int64),
     )
     node.input(0).replace_source_output(last.output(0))
+    model.validate_nodes_and_infer_types()
+    return True
+
+
+def gather_last_token_per_sequence(model: ov.Model) -> bool:
+    """The paged-attention form of ``slice_logits_to_last_position``.
+
+    After ``paged_attention_transformation`` the tokens of every sequence in a step are
+    packed on one axis ([tokens,1,H] before the lm_head); this gathers the last row of
+    each (``subsequence_begins[1:] - 1``), so logits come out [sequences,1,V].
+    """
+    node = _lm_head(model)
+    if node is None:
+        return False
+    hidden = node.input_value(0)
+    begins = {p.get_friendly_name(): p for p in model.get_parameters()}.get("subsequence_begins")
+    if begins is None or hidden.get_partial_shape().rank.get_length() != 3:
+        return False
+    ends = ops.slice(begins, np.array([1], dtype=np.int32),
+                     np.array([np.iinfo(np.int32).max], dtype=np.int32),
+                     np.array([1], dtype=np.int32), np.array([0], dtype=np.int32))
+    last = ops.subtract(ends, np.array([1], dtype=np.int32))
+    node.input(0).replace_source_output(ops.gather(hidden, last, np.int32(0)).output(0))
     model.validate_nodes_and_infer_types()
     return True
 
@@ -184,7 +215,14 @@ class CompiledModels:
         core = ov.Core()
         models = {sub: _read(core, spec, sub) for sub in SUBMODELS}
         self.weight_layout = weight_layout(models["language_model"])
-        self.logits_sliced = slice_logits_to_last_position(models["language_model"])
+        # Continuous batching runs the language model in its paged-attention form: the
+        # KV cache in block tensors the engine hands every step, not in request state.
+        self.paged = engine_cfg.continuous_batching
+        if self.paged:
+            paged_attention_transformation(models["language_model"])
+            self.logits_sliced = gather_last_token_per_sequence(models["language_model"])
+        else:
+            self.logits_sliced = slice_logits_to_last_position(models["language_model"])
         self.patch_matmul = patch_embedding_as_matmul(models["vision_embeddings_model"])
         # Each submodel gets the activation quantisation its own weights call for.
         props = {sub: compile_properties(
@@ -194,7 +232,8 @@ class CompiledModels:
                  for sub, model in models.items()}
         # The cache is keyed by the properties too: the cache dir is set before compiling.
         runtime = f"openvino {ov.__version__}"
-        key = "" if model_cfg.cache_dir is None else cache_key(spec, runtime,
+        key = "" if model_cfg.cache_dir is None else cache_key(
+            spec, runtime + (" paged" if self.paged else ""),
                                                                model_cfg.device, props)
         blobs: list[Path] = []
         with open_model_cache(model_cfg.cache_dir, key, runtime) as cache:
@@ -220,6 +259,11 @@ class CompiledModels:
         kv_bytes = max(1, (kv_type.bitwidth + 7) // 8) if hasattr(kv_type, "bitwidth") else 2
         # keys and values, every layer, every KV head.
         self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_bytes
+        self.kv_block_size = 0
+        if self.paged:  # what the plugin's cache layout takes (u8 adds scales per row)
+            self.kv_block_size = PagedLanguage.block_size_of(self.language)
+            self.kv_bytes_per_token = -(-PagedLanguage.bytes_per_block(self.language)
+                                        // self.kv_block_size)
         self.runtime = "openvino"
         self.runtime_version = str(ov.__version__).split("-")[0]  # 2026.4.1-<build> -> 2026.4.1
         self.runtime_properties = {
@@ -231,6 +275,11 @@ class CompiledModels:
 
     def new_slot(self) -> Slot:
         return Slot(self)
+
+    def new_paged(self, num_blocks: int) -> PagedLanguage:
+        if not self.paged:
+            raise RuntimeError("the language model was compiled without paged attention")
+        return PagedLanguage(self, num_blocks)
 
 
 def _read(core: ov.Core, spec: ModelSpec, submodel: str) -> ov.Model:
@@ -278,7 +327,8 @@ class Slot(SlotBase):
     def __init__(self, models: CompiledModels) -> None:
         super().__init__(models.deepstack_layers, models.hidden_size)
         self._models = models
-        self._lm = models.language.create_infer_request()
+        # With paged attention the language model runs in the engine's step loop.
+        self._lm = None if models.paged else models.language.create_infer_request()
         self._embed = models.embeddings.create_infer_request()
         self._vision = models.vision.create_infer_request()
         self._vision_pos = models.vision_pos.create_infer_request()
@@ -290,10 +340,12 @@ class Slot(SlotBase):
             return request.infer(inputs, share_inputs=True)
 
     def _drop_cache(self) -> None:
-        self._lm.reset_state()
+        if self._lm is not None:
+            self._lm.reset_state()
 
     def _truncate_cache(self, keep: int) -> None:
         """The first ``keep`` positions of every KV state (as GenAI's trim_kv_cache)."""
+        assert self._lm is not None
         for state in self._lm.query_state():
             data = state.state.data
             axis = _sequence_axis(data.shape, self.past_len)
@@ -322,6 +374,7 @@ class Slot(SlotBase):
             "deepstack_visual_embeds": deepstack,
             "beam_idx": self._beam_idx,
         }
+        assert self._lm is not None, "paged models step in the engine's batch loop"
         out = self._infer(self._lm, inputs)
         self.past_len += seq
         return self._keep_logits(out[0][0, -1])
@@ -337,3 +390,87 @@ class Slot(SlotBase):
         out = self._infer(self._merger, {"hidden_states": hidden, "attention_mask": mask,
                                          "rotary_pos_emb": rotary})
         return np.array(out[0]), np.array(out[1])
+
+
+class PagedLanguage:
+    """The language model in paged-attention form, with its KV block tensors.
+
+    One infer request runs every step of every sequence; the caches are allocated once
+    ([blocks, kv heads, block size, head dim] per layer, as the plugin lays them out:
+    read from the compiled model, never assumed), untouched pages costing nothing until
+    written. Only the engine's step thread calls ``step``.
+    """
+
+    def __init__(self, models: CompiledModels, num_blocks: int) -> None:
+        self.block_size = self.block_size_of(models.language)
+        self.num_blocks = num_blocks
+        self._request = models.language.create_infer_request()
+        self._embed = models.embeddings.create_infer_request()
+        self.busy_since: float | None = None
+        self.cache_bytes = 0
+        for port in _cache_inputs(models.language):
+            dims = [num_blocks, *(int(d.get_length()) for d in list(port.get_partial_shape())[1:])]
+            tensor = ov.Tensor(port.get_element_type(), dims)
+            self.cache_bytes += tensor.byte_size
+            self._request.set_tensor(port.get_any_name(), tensor)
+        self._no_deepstack = np.zeros((models.deepstack_layers, 1, models.hidden_size),
+                                      np.float32)
+        self._max_context = np.zeros((), np.int32)
+
+    @staticmethod
+    def block_size_of(compiled: ov.CompiledModel) -> int:
+        """Rows per block: the value cache's third axis ([blocks, heads, rows, head_dim]
+        + scales). Not the key cache's: at u8 the CPU plugin quantises keys per channel
+        and appends the scales to that axis ([?, heads, 32 + 8, head_dim])."""
+        return int(compiled.input("value_cache.0").get_partial_shape()[2].get_length())
+
+    @staticmethod
+    def bytes_per_block(compiled: ov.CompiledModel) -> int:
+        total = 0
+        for port in _cache_inputs(compiled):
+            dims = [int(d.get_length()) for d in list(port.get_partial_shape())[1:]]
+            bits = port.get_element_type().bitwidth
+            total += int(np.prod(dims)) * bits // 8
+        return total
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """Token ids [S] -> embeddings [S,H] (a copy: the request's buffer is reused)."""
+        out = self._embed.infer({"input": ids.reshape(1, -1).astype(np.int64)},
+                                share_inputs=True)
+        return np.array(out[0][0])
+
+    def no_deepstack(self) -> np.ndarray:
+        return self._no_deepstack
+
+    def step(self, embeds: np.ndarray, positions: np.ndarray, visual_mask: np.ndarray,
+             deepstack: np.ndarray, past_lens: np.ndarray, begins: np.ndarray,
+             block_begins: np.ndarray, block_indices: np.ndarray) -> np.ndarray:
+        """One pass over the packed rows of every scheduled sequence: ``embeds`` [T,H],
+        ``positions`` [3,T], ``visual_mask`` [T], ``deepstack`` [k,Nvis,H] (the masked
+        rows', in order), ``past_lens`` [S] rows each already has, ``begins`` [S+1] where
+        each one's rows start in the pack, its blocks
+        ``block_indices[block_begins[i]:block_begins[i+1]]``. Returns the logits of each
+        sequence's last row [S,V] (the runtime's buffer: read before the next step)."""
+        self._max_context[()] = int((past_lens + np.diff(begins)).max())
+        inputs = {
+            "inputs_embeds": embeds,
+            "position_ids": positions,
+            "visual_pos_masks": visual_mask.reshape(1, -1),
+            "deepstack_visual_embeds": deepstack,
+            "max_context_len": self._max_context,
+            "past_lens": past_lens,
+            "subsequence_begins": begins,
+            "block_indices_begins": block_begins,
+            "block_indices": block_indices,
+        }
+        self.busy_since = time.monotonic()
+        try:
+            out = self._request.infer(inputs, share_inputs=True)
+        finally:
+            self.busy_since = None
+        return np.asarray(out[0])[:, 0]
+
+
+def _cache_inputs(compiled: ov.CompiledModel | ov.Model) -> list[Any]:
+    return [port for port in compiled.inputs
+            if port.get_any_name().startswith(("key_cache.", "value_cache."))]

@@ -115,6 +115,27 @@ class SlotBase:
         return self._no_deepstack
 
 
+class PagedModel(Protocol):
+    """The language model in paged-attention form (continuous batching): one step runs
+    the packed rows of several sequences over a KV cache of fixed-size blocks."""
+
+    block_size: int
+    num_blocks: int
+    cache_bytes: int
+    # When the step now running started (the watchdog looks at it).
+    busy_since: float | None
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """Token ids [S] -> embeddings [S,H] (a copy)."""
+
+    def no_deepstack(self) -> np.ndarray: ...
+
+    def step(self, embeds: np.ndarray, positions: np.ndarray, visual_mask: np.ndarray,
+             deepstack: np.ndarray, past_lens: np.ndarray, begins: np.ndarray,
+             block_begins: np.ndarray, block_indices: np.ndarray) -> np.ndarray:
+        """Logits [sequences, V] of each sequence's last row in the pack."""
+
+
 class Models(Protocol):
     """A model directory's submodels, loaded and ready to run."""
 
@@ -128,4 +149,11 @@ class Models(Protocol):
     # What the runtime actually runs with (logged, reported by status and metrics).
     runtime_properties: dict[str, str]
 
+    # Whether the language model was compiled for continuous batching (``new_paged``);
+    # a backend without it runs one generation per slot.
+    paged: bool
+    kv_block_size: int  # rows per KV block when paged
+
     def new_slot(self) -> Slot: ...
+
+    def new_paged(self, num_blocks: int) -> PagedModel: ...

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from qvld.engine import Engine, GenerateRequest, GenerateResult
-from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
+from tests.conftest import TINY, load_reference, parity_config, reused, with_image_bytes
 
 CASES = {c["name"]: c for c in load_reference(TINY)["cases"]}
 PHOTO = CASES["image_photo"]
@@ -30,8 +30,10 @@ def test_a_kv_prefix_is_reused_only_by_the_user_who_computed_it(slots: int) -> N
     ask(engine, PHOTO, ALICE)
     assert ask(engine, PHOTO, BOB).usage.cached_tokens == 0
     again = ask(engine, PHOTO, ALICE)
-    if slots > 1:  # one slot: Bob's request took it, and it was reset for him
-        assert again.usage.cached_tokens == len(PHOTO["input_ids"]) - 1
+    # One slot without batching: Bob's request took it, and it was reset for him. With
+    # batching, the blocks are a pool and Bob's never replace Alice's prefix.
+    if slots > 1 or engine.batch is not None:
+        assert again.usage.cached_tokens == reused(engine, len(PHOTO["input_ids"]) - 1) > 0
 
 
 def test_an_image_embedding_is_reused_only_by_the_user_who_sent_the_image() -> None:
@@ -51,7 +53,8 @@ def test_an_image_embedding_is_reused_only_by_the_user_who_sent_the_image() -> N
 def test_share_caches_lets_every_user_reuse_them() -> None:
     engine = Engine(parity_config(TINY, infer_requests=2, share_caches=True))
     ask(engine, PHOTO, ALICE)
-    assert ask(engine, PHOTO, BOB).usage.cached_tokens == len(PHOTO["input_ids"]) - 1
+    bob = ask(engine, PHOTO, BOB).usage.cached_tokens
+    assert bob == reused(engine, len(PHOTO["input_ids"]) - 1) > 0
     images = Engine(parity_config(TINY, infer_requests=1, kv_cache_mb=0, share_caches=True))
     ask(images, PHOTO, ALICE)
     bob = ask(images, PHOTO, BOB)

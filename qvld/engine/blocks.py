@@ -1,0 +1,193 @@
+"""The paged KV cache's bookkeeping: which blocks are free, whose they are, and which hold
+a prefix another sequence may reuse. Imports no runtime: the blocks themselves are rows
+of the runtime's per-layer cache tensors (``PagedLanguageModel``).
+
+A sequence owns a list of blocks (its block table); row ``i`` of its KV cache is slot
+``i % block_size`` of block ``table[i // block_size]``. A block whose rows are all
+computed is *full*; full blocks are published under a hash chain — the hash of the
+previous block's hash and this block's keys (token id and image digest per row, so
+equal hashes mean equal KV rows), and the cache owner (a uid, or None when caches are
+shared), so one user's prefix is never another's. A new sequence takes the longest
+chain of published blocks matching its prompt, read-only and reference-counted: shared
+blocks are never written, because a sequence writes only rows after its matched prefix.
+Published blocks nobody holds stay cached, least recently used first in line to be
+reused for new rows; unpublished ones go straight back to the free list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# (token id, image digest or None) per row, as ``prompts.prompt_keys`` makes them.
+RowKey = tuple[int, bytes | None]
+
+
+def chain_hashes(keys: Sequence[RowKey], block_size: int, owner: int | None) -> list[bytes]:
+    """The hash of every full block of ``keys``, each covering all rows before it."""
+    out: list[bytes] = []
+    parent = b"qvld-kv" + struct.pack("<q", -1 if owner is None else owner)
+    for lo in range(0, len(keys) - block_size + 1, block_size):
+        h = hashlib.blake2b(parent, digest_size=16)
+        for token, digest in keys[lo:lo + block_size]:
+            h.update(struct.pack("<q", token))
+            h.update(digest or b"-")
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+@dataclass
+class Lease:
+    """One sequence's blocks: the first ``shared`` are a reused prefix (read-only)."""
+
+    blocks: list[int]
+    shared: int
+    hashes: list[bytes] = field(default_factory=list)  # published so far, in order
+
+    @property
+    def cached_rows(self) -> int:
+        return 0 if not self.blocks else self.shared
+
+
+class NoBlocks(Exception):
+    """Not enough free blocks now (others hold them); retry when one finishes."""
+
+
+class BlockPool:
+    """Allocates, shares and recycles the blocks of one paged KV cache (thread-safe)."""
+
+    def __init__(self, num_blocks: int, block_size: int, retain: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.retain = retain  # keep published blocks after release (a prefix cache)
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() -> block 0 first
+        self._idle: OrderedDict[int, None] = OrderedDict()  # published, unheld: LRU first
+        self._lock = threading.Condition()
+        self.hits = 0  # rows reused from published blocks
+        self.lookups = 0  # prompt rows looked up
+
+    def blocks_for(self, rows: int) -> int:
+        return -(-rows // self.block_size)
+
+    def _matched(self, hashes: list[bytes]) -> list[int]:
+        blocks = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def acquire(self, keys: Sequence[RowKey], owner: int | None, rows: int) -> Lease:
+        """Blocks for a sequence of ``rows`` rows whose prompt is ``keys``, reusing the
+        longest published prefix (never all of the prompt: its last row is always fed,
+        for the logits of the first token). Raises NoBlocks when they do not fit now."""
+        hashes = chain_hashes(keys, self.block_size, owner)
+        with self._lock:
+            matched = self._matched(hashes)
+            while matched and len(matched) * self.block_size >= len(keys):
+                matched.pop()
+            need = self.blocks_for(rows) - len(matched)
+            # Matched idle blocks are about to be held: they cannot pay for new ones.
+            idle_unmatched = len(self._idle) - sum(1 for b in matched if b in self._idle)
+            if need > len(self._free) + idle_unmatched:
+                raise NoBlocks(f"{need} blocks needed, {len(self._free) + idle_unmatched} "
+                               "free")
+            for block in matched:
+                self._hold(block)
+            fresh = [self._take_free() for _ in range(max(0, need))]
+            self.lookups += len(keys)
+            self.hits += len(matched) * self.block_size
+            return Lease(blocks=matched + fresh, shared=len(matched) * self.block_size,
+                         hashes=hashes[:len(matched)])
+
+    def wait_acquire(self, keys: Sequence[RowKey], owner: int | None, rows: int,
+                     should_stop: object = None, poll_s: float = 0.05) -> Lease | None:
+        """``acquire``, waiting while others hold the blocks; None when ``should_stop``
+        (a callable) fires first. A sequence larger than the whole pool raises NoBlocks."""
+        if self.blocks_for(rows) > self.num_blocks:
+            raise NoBlocks(f"{self.blocks_for(rows)} blocks needed, the pool has "
+                           f"{self.num_blocks}")
+        while True:
+            try:
+                return self.acquire(keys, owner, rows)
+            except NoBlocks:
+                if callable(should_stop) and should_stop():
+                    return None
+                with self._lock:
+                    self._lock.wait(poll_s)
+
+    def _hold(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._idle.pop(block, None)
+        self._refs[block] += 1
+
+    def _take_free(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:  # the least recently used cached prefix block gives way
+            block, _ = self._idle.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def publish(self, lease: Lease, keys: Sequence[RowKey], owner: int | None,
+                rows: int) -> None:
+        """Publish the lease's blocks made full by its first ``rows`` rows (whose keys are
+        ``keys``), so that later sequences may reuse them."""
+        if not self.retain:
+            return
+        full = min(rows // self.block_size, len(lease.blocks))
+        if full <= len(lease.hashes):
+            return
+        hashes = chain_hashes(keys[:full * self.block_size], self.block_size, owner)
+        with self._lock:
+            for index in range(len(lease.hashes), full):
+                block, h = lease.blocks[index], hashes[index]
+                if h not in self._by_hash and block not in self._hash_of:
+                    self._by_hash[h] = block
+                    self._hash_of[block] = h
+            lease.hashes = hashes
+
+    def release(self, lease: Lease) -> None:
+        """Give back the lease's blocks: published ones stay cached, the rest are free."""
+        with self._lock:
+            for block in reversed(lease.blocks):  # the prefix's tail is evicted first
+                self._refs[block] -= 1
+                if self._refs[block]:
+                    continue
+                if block in self._hash_of:
+                    self._idle[block] = None
+                else:
+                    self._free.append(block)
+            lease.blocks = []
+            self._lock.notify_all()
+
+    def clear(self) -> None:
+        """Forget every cached prefix (held blocks stay with their sequences)."""
+        with self._lock:
+            for block in list(self._idle):
+                del self._by_hash[self._hash_of.pop(block)]
+                self._free.append(block)
+            self._idle.clear()
+            self._lock.notify_all()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            held = sum(1 for r in self._refs if r)
+            return {"blocks": self.num_blocks, "block_size": self.block_size,
+                    "held": held, "cached": len(self._idle), "free": len(self._free),
+                    "hit_rows": self.hits, "lookup_rows": self.lookups}
+
+    def usage_ratio(self) -> float:
+        """Blocks held by running sequences, 0-1 (cached prefixes count as free)."""
+        with self._lock:
+            return sum(1 for r in self._refs if r) / self.num_blocks if self.num_blocks else 0.0

@@ -1,0 +1,88 @@
+"""The paged KV cache's block bookkeeping (no runtime needed: it is plain Python)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from qvld.engine.blocks import BlockPool, NoBlocks, chain_hashes
+
+IMG = b"\x01" * 32
+
+
+def keys(*tokens: int, image: bytes | None = None) -> list[tuple[int, bytes | None]]:
+    return [(t, image) for t in tokens]
+
+
+def test_chain_hashes_cover_every_row_before_them_and_the_owner() -> None:
+    a = chain_hashes(keys(*range(8)), 4, owner=1)
+    assert len(a) == 2 and len(chain_hashes(keys(*range(7)), 4, owner=1)) == 1
+    b = chain_hashes(keys(9, *range(1, 8)), 4, owner=1)
+    assert a[0] != b[0] and a[1] != b[1]  # a change in block 0 changes block 1's hash
+    assert chain_hashes(keys(*range(8)), 4, owner=2) != a
+    assert chain_hashes(keys(*range(8), image=IMG), 4, owner=1) != a  # image content counts
+
+
+def test_a_published_prefix_is_shared_read_only_and_never_the_last_row() -> None:
+    pool = BlockPool(16, 4)
+    prompt = keys(*range(10))
+    first = pool.acquire(prompt, 1, rows=12)
+    assert first.shared == 0 and len(first.blocks) == 3
+    pool.publish(first, prompt, 1, rows=10)  # two full blocks
+    second = pool.acquire(prompt, 1, rows=12)
+    assert second.shared == 8 and second.blocks[:2] == first.blocks[:2]
+    assert second.blocks[2] != first.blocks[2]
+    # A prompt of exactly two blocks reuses one: its last row is fed again.
+    exact = pool.acquire(prompt[:8], 1, rows=9)
+    assert exact.shared == 4
+    assert pool.acquire(prompt, 2, rows=12).shared == 0  # another owner
+    assert pool.stats()["held"] == 3 + 1 + 2 + 3  # shared blocks are held once
+
+
+def test_released_blocks_stay_cached_until_needed_least_recently_used_first() -> None:
+    pool = BlockPool(4, 2)
+    a, b = keys(1, 2, 3), keys(5, 6, 7)
+    lease_a = pool.acquire(a, 1, rows=4)
+    pool.publish(lease_a, a, 1, rows=3)
+    pool.release(lease_a)
+    lease_b = pool.acquire(b, 1, rows=4)
+    pool.publish(lease_b, b, 1, rows=3)
+    pool.release(lease_b)
+    assert pool.stats()["cached"] == 2 and pool.stats()["free"] == 2
+    big = pool.acquire(keys(9), 1, rows=6)  # two free blocks, then a's (older) cached one
+    assert len(big.blocks) == 3
+    pool.release(big)
+    again_b = pool.acquire(b, 1, rows=3)
+    assert again_b.shared == 2  # still cached
+    pool.release(again_b)
+    assert pool.acquire(a, 1, rows=3).shared == 0  # evicted
+
+
+def test_not_enough_blocks_waits_and_can_be_stopped() -> None:
+    pool = BlockPool(4, 2, retain=False)
+    lease = pool.acquire(keys(1), 1, rows=8)
+    with pytest.raises(NoBlocks):
+        pool.acquire(keys(2), 1, rows=2)
+    with pytest.raises(NoBlocks):
+        pool.wait_acquire(keys(2), 1, rows=10)  # more than the whole pool: never fits
+    assert pool.wait_acquire(keys(2), 1, rows=2, should_stop=lambda: True) is None
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.wait_acquire(keys(2), 1, 2)))
+    waiter.start()
+    pool.release(lease)
+    waiter.join(10)
+    assert got and got[0] is not None
+    assert pool.stats()["cached"] == 0  # retain=False: nothing kept
+
+
+def test_usage_ratio_counts_held_blocks_only() -> None:
+    pool = BlockPool(8, 2)
+    prompt = keys(1, 2, 3, 4, 5)
+    lease = pool.acquire(prompt, None, rows=8)
+    assert pool.usage_ratio() == 0.5
+    pool.publish(lease, prompt, None, rows=5)
+    pool.release(lease)
+    assert pool.usage_ratio() == 0.0 and pool.stats()["cached"] == 2
+    pool.clear()
+    assert pool.stats()["free"] == 8
