@@ -11,7 +11,9 @@ shared), so one user's prefix is never another's. A new sequence takes the longe
 chain of published blocks matching its prompt, read-only and reference-counted: shared
 blocks are never written, because a sequence writes only rows after its matched prefix.
 Published blocks nobody holds stay cached, least recently used first in line to be
-reused for new rows; unpublished ones go straight back to the free list.
+reused for new rows; unpublished ones go straight back to the free list. A session pins
+its history's blocks (held without a sequence), so that LRU eviction passes them by; pins
+take at most half the pool and give way, oldest first, when a new sequence needs room.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import hashlib
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # (token id, image digest or None) per row, as ``prompts.prompt_keys`` makes them.
 RowKey = tuple[int, bytes | None]
@@ -66,11 +69,16 @@ class BlockPool:
         self.block_size = block_size
         self.retain = retain  # keep published blocks after release (a prefix cache)
         self._refs = [0] * num_blocks
+        self._pin_refs = [0] * num_blocks  # of _refs, how many are pins
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() -> block 0 first
         self._idle: OrderedDict[int, None] = OrderedDict()  # published, unheld: LRU first
         self._lock = threading.Condition()
+        # Pins (a session's history): blocks held on behalf of no running sequence, so
+        # that LRU eviction passes them by; oldest first, given up when blocks run short.
+        self._pins: OrderedDict[Hashable, list[int]] = OrderedDict()
+        self.max_pinned = num_blocks // 2
         self.hits = 0  # rows reused from published blocks
         self.lookups = 0  # prompt rows looked up
 
@@ -96,11 +104,10 @@ class BlockPool:
             while matched and len(matched) * self.block_size >= len(keys):
                 matched.pop()
             need = self.blocks_for(rows) - len(matched)
-            # Matched idle blocks are about to be held: they cannot pay for new ones.
-            idle_unmatched = len(self._idle) - sum(1 for b in matched if b in self._idle)
-            if need > len(self._free) + idle_unmatched:
-                raise NoBlocks(f"{need} blocks needed, {len(self._free) + idle_unmatched} "
-                               "free")
+            while need > self._available(matched) and self._pins:
+                self._unpin(next(iter(self._pins)))  # running work before kept histories
+            if need > self._available(matched):
+                raise NoBlocks(f"{need} blocks needed, {self._available(matched)} free")
             for block in matched:
                 self._hold(block)
             fresh = [self._take_free() for _ in range(max(0, need))]
@@ -124,6 +131,58 @@ class BlockPool:
                     return None
                 with self._lock:
                     self._lock.wait(poll_s)
+
+    def _available(self, matched: list[int]) -> int:
+        """Blocks a new lease may take (lock held): free ones, and cached ones except
+        those it is about to hold as its prefix."""
+        return len(self._free) + len(self._idle) - sum(1 for b in matched if b in self._idle)
+
+    def pin(self, name: Hashable, keys: Sequence[RowKey], owner: int | None) -> int:
+        """Hold the published blocks of ``keys``' longest cached prefix for ``name`` (a
+        session), replacing its earlier pin; the oldest pins give way beyond half the
+        pool. Returns the rows pinned."""
+        hashes = chain_hashes(keys, self.block_size, owner)
+        with self._lock:
+            self._unpin(name)
+            blocks = self._matched(hashes)
+            while self._pins and self._pinned() + len(blocks) > self.max_pinned:
+                self._unpin(next(iter(self._pins)))
+            if not blocks or len(blocks) > self.max_pinned:
+                return 0
+            for block in blocks:
+                self._hold(block)
+                self._pin_refs[block] += 1
+            self._pins[name] = blocks
+            return len(blocks) * self.block_size
+
+    def unpin(self, name: Hashable) -> None:
+        with self._lock:
+            self._unpin(name)
+            self._lock.notify_all()
+
+    def keep_pins(self, names: set[Any]) -> None:
+        """Give up every pin whose name is not in ``names`` (sessions gone)."""
+        with self._lock:
+            for name in [n for n in self._pins if n not in names]:
+                self._unpin(name)
+            self._lock.notify_all()
+
+    def _pinned(self) -> int:
+        return sum(len(blocks) for blocks in self._pins.values())
+
+    def _unpin(self, name: Hashable) -> None:
+        for block in self._pins.pop(name, []):
+            self._pin_refs[block] -= 1
+            self._drop(block)
+
+    def _drop(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block]:
+            return
+        if block in self._hash_of:
+            self._idle[block] = None
+        else:
+            self._free.append(block)
 
     def _hold(self, block: int) -> None:
         if self._refs[block] == 0:
@@ -161,13 +220,7 @@ class BlockPool:
         """Give back the lease's blocks: published ones stay cached, the rest are free."""
         with self._lock:
             for block in reversed(lease.blocks):  # the prefix's tail is evicted first
-                self._refs[block] -= 1
-                if self._refs[block]:
-                    continue
-                if block in self._hash_of:
-                    self._idle[block] = None
-                else:
-                    self._free.append(block)
+                self._drop(block)
             lease.blocks = []
             self._lock.notify_all()
 
@@ -182,12 +235,17 @@ class BlockPool:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            held = sum(1 for r in self._refs if r)
+            held = self._held()
             return {"blocks": self.num_blocks, "block_size": self.block_size,
-                    "held": held, "cached": len(self._idle), "free": len(self._free),
+                    "held": held, "pinned": self._pinned(), "cached": len(self._idle),
+                    "free": len(self._free),
                     "hit_rows": self.hits, "lookup_rows": self.lookups}
 
     def usage_ratio(self) -> float:
         """Blocks held by running sequences, 0-1 (cached prefixes count as free)."""
         with self._lock:
-            return sum(1 for r in self._refs if r) / self.num_blocks if self.num_blocks else 0.0
+            return self._held() / self.num_blocks if self.num_blocks else 0.0
+
+    def _held(self) -> int:
+        """Blocks running sequences hold (pinned ones only by pins are not counted)."""
+        return sum(1 for r, p in zip(self._refs, self._pin_refs, strict=True) if r > p)

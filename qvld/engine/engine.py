@@ -105,7 +105,8 @@ class Engine:
                                      per_user=config.engine.sessions_per_user,
                                      image_budget_bytes=config.engine.session_image_mb << 20)
         self.prompts = PromptBuilder(self.spec, self.tokenizer, self.template, self.images,
-                                     config.engine.max_decode_pixels, self.max_context)
+                                     config.engine.max_decode_pixels, self.max_context,
+                                     one_encoder_at_a_time=self.batch is not None)
         self.load_s = time.perf_counter() - t0
 
     def _block_pool(self, config: Config) -> BlockPool:
@@ -223,6 +224,8 @@ class Engine:
             why = ("engine.continuous_batching is off" if self.config.model.backend == "openvino"
                    else f"the {self.models.runtime} backend runs one generation per step")
             return {"continuous_batching": False, "reason": why}
+        # Pins of sessions that ended meanwhile (expired, closed) are let go here too.
+        self.blocks.keep_pins({(s["uid"], s["id"]) for s in self.sessions.list(None)})
         decoding, prefilling = self.batch.counts()
         return {"continuous_batching": True,
                 "max_batch_tokens": self.batch.max_batch_tokens,
@@ -292,8 +295,22 @@ class Engine:
         else:
             kept = self._kept_ids(result, request)
             turns = self.sessions.commit(turn, ids + kept, images, starts, reset=reset)
+            self._pin_history(prepared.uid, request.session, ids + kept, images, starts)
         result.session = SessionInfo(id=request.session, turns=turns, reset=reset)
         return result
+
+    def _pin_history(self, uid: int, sid: str, ids: list[int], images: list[PreparedImage],
+                     starts: list[int]) -> None:
+        """Continuous batching: the session's cached history blocks are pinned, so that
+        its next turn finds them whatever else ran meanwhile; pins of sessions that
+        ended (closed, expired, evicted) are given up."""
+        if self.blocks is None or not self.blocks.retain:
+            return
+        alive = {(s["uid"], s["id"]) for s in self.sessions.list(None)}
+        self.blocks.keep_pins(alive)
+        if (uid, sid) in alive:
+            self.blocks.pin((uid, sid), prompt_keys(ids, images, starts),
+                            self.cache_owner(uid))
 
     def _kept_ids(self, result: GenerateResult, request: GenerateRequest) -> list[int]:
         """The generated ids a session keeps: all, except after a stop string, where only

@@ -11,7 +11,9 @@ already in the KV cache (or takes their cached embeddings) and lays the prompt o
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -51,8 +53,15 @@ def prompt_keys(ids: list[int], images: list[PreparedImage], starts: list[int]
 
 class PromptBuilder:
     def __init__(self, spec: ModelSpec, tokenizer: TextTokenizer, template: ChatTemplate,
-                 images: ImageCache, max_decode_pixels: int, max_context: int) -> None:
+                 images: ImageCache, max_decode_pixels: int, max_context: int,
+                 one_encoder_at_a_time: bool = False) -> None:
         self.spec = spec
+        # With continuous batching the vision encoder runs beside the language model's
+        # steps; each inference already takes every core, so encoders running at once
+        # only share them: one at a time, the first request's image is done first (its
+        # first token comes sooner) and the steps compete with one encoder, not several.
+        self._encoding: AbstractContextManager[Any] = (
+            threading.Lock() if one_encoder_at_a_time else nullcontext())
         self.tokenizer = tokenizer
         self.template = template
         self.images = images
@@ -137,7 +146,8 @@ class PromptBuilder:
                 raise HistoryLost(image.digest.hex())
             image = prepare(image.data, self.spec.vision, image.budget,
                             self.max_decode_pixels)
-        embedding = encode_image(slot, image, self.spec.vision)
+        with self._encoding:
+            embedding = encode_image(slot, image, self.spec.vision)
         self.images.put(key, embedding)
         return embedding, False
 

@@ -108,3 +108,23 @@ def test_without_a_kv_budget_nothing_is_retained() -> None:
     assert all(r.usage.cached_tokens == 0 for r in results)
     assert plain.blocks.stats()["cached"] == 0
     assert held(plain) == 0
+
+
+def test_a_sessions_history_blocks_stay_pinned_through_other_traffic() -> None:
+    # A small cache (1 MiB: 23 blocks of 32 rows on the tiny model): the other requests
+    # below cycle through every unpinned block.
+    small = Engine(parity_config(TINY, infer_requests=2, kv_cache_mb=1))
+    assert small.blocks is not None
+    first = small.generate(request(CASES["long"], session="kept"))
+    history = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert small.blocks.stats()["pinned"] * small.blocks.block_size == history // 32 * 32
+    for case in CASES.values():  # without the pin, this evicts the whole history
+        if case["name"] != "long":
+            small.generate(request(case))
+    follow_up = small.generate(GenerateRequest(
+        messages=[{"role": "user", "content": "And then?"}], max_tokens=4,
+        temperature=0.0, session="kept"))
+    assert follow_up.usage.cached_tokens == (history - 1) // 32 * 32 > 0
+    assert small.sessions.close(0, "kept")
+    small.stats()  # lets go of pins whose session ended
+    assert small.blocks.stats()["pinned"] == 0

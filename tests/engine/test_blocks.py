@@ -86,3 +86,43 @@ def test_usage_ratio_counts_held_blocks_only() -> None:
     assert pool.usage_ratio() == 0.0 and pool.stats()["cached"] == 2
     pool.clear()
     assert pool.stats()["free"] == 8
+
+
+def cache(pool: BlockPool, prompt: list[tuple[int, bytes | None]], owner: int = 1) -> None:
+    lease = pool.acquire(prompt, owner, rows=len(prompt))
+    pool.publish(lease, prompt, owner, rows=len(prompt))
+    pool.release(lease)
+
+
+def test_a_pinned_history_survives_eviction_until_room_is_needed() -> None:
+    pool = BlockPool(6, 2)
+    history = keys(1, 2, 3, 4, 5)
+    cache(pool, history)
+    assert pool.pin(("uid", "s"), history, 1) == 4  # two full blocks
+    assert pool.stats()["pinned"] == 2 and pool.stats()["held"] == 0
+    for n in range(3):  # other traffic cycles through every unpinned block
+        cache(pool, keys(10 + n, 20 + n, 30 + n, 40 + n))
+    follow_up = pool.acquire(history + keys(6), 1, rows=8)
+    assert follow_up.shared == 4  # the pinned prefix was still there
+    pool.release(follow_up)
+    # A sequence needing every block makes the pin give way rather than wait forever.
+    big = pool.acquire(keys(99), 1, rows=12)
+    assert len(big.blocks) == 6 and pool.stats()["pinned"] == 0
+
+
+def test_pins_are_bounded_and_let_go_when_their_session_ends() -> None:
+    pool = BlockPool(8, 2)  # at most 4 blocks pinned
+    first, second = keys(1, 2, 3, 4, 5), keys(6, 7, 8, 9, 10)
+    cache(pool, first)
+    cache(pool, second)
+    pool.pin("a", first, 1)
+    pool.pin("b", second, 1)
+    assert pool.stats()["pinned"] == 4
+    third = keys(11, 12, 13, 14, 15)
+    cache(pool, third)
+    pool.pin("c", third, 1)  # the oldest pin gives way
+    assert pool.stats()["pinned"] == 4
+    pool.keep_pins({"c"})
+    assert pool.stats()["pinned"] == 2
+    pool.unpin("c")
+    assert pool.stats()["pinned"] == 0 and pool.stats()["cached"] == 6
