@@ -421,7 +421,9 @@ def test_requests_in_flight_per_connection_are_bounded(small: Daemon) -> None:
 def test_reload_keeps_sessions_and_caches_when_the_model_did_not_change(tmp_path: Path
                                                                         ) -> None:
     daemon = Daemon(tmp_path).start()
-    turn = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4,
+    # Longer than one KV block: the prefix cache keeps whole blocks.
+    text = "Hello there, tell me about the sea and the ships that sail on it. " * 3
+    turn = {"messages": [{"role": "user", "content": text}], "max_tokens": 4,
             "session": "s1", "temperature": 0}
     try:
         with daemon.client() as client:

@@ -51,6 +51,20 @@ def test_greedy_ids_equal_transformers(engine: Engine, name: str) -> None:
     assert ask(engine, CASES[name]).token_ids == CASES[name]["token_ids"]
 
 
+def test_one_generation_per_step_and_status_says_so(engine: Engine) -> None:
+    # ONNX Runtime has no paged attention here: concurrent generations each run on a
+    # session of their own, exactly, and status tells an operator why nothing batches.
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert engine.batch is None and engine.blocks is None
+    batch = engine.stats()["batch"]
+    assert batch["continuous_batching"] is False and "onnxruntime" in batch["reason"]
+    cases = [CASES[n] for n in ("image_photo", "long", "question")]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: ask(engine, case), cases))
+    assert [r.token_ids for r in results] == [c["token_ids"] for c in cases]
+
+
 @pytest.mark.parametrize("session", SESSIONS, ids=[s["name"] for s in SESSIONS])
 def test_session_turns_equal_transformers(session: dict[str, Any]) -> None:
     engine = Engine(ort_config())
