@@ -1,12 +1,15 @@
 """Concurrent clients: qvld (continuous batching, and one generation per infer request as
-before) against llama-server --parallel N, on the same full-size checkpoint, in one run.
+before) against llama-server (continuous batching, --parallel N+1), on the same full-size
+checkpoint, in one run.
 
     python bench/concurrency.py MODELS [--clients 1,2,4,8] [--tokens 256] [--size 448]
                                 [--systems qvld,qvld-alone,llama-server] [--json OUT]
 
 MODELS is the directory `make bench` fills (~/.cache/qvld-bench): qwen3-vl-2b-int8 (the
 optimum-cli export) for qvld, gguf/model-Q8_0.gguf + mmproj-f16.gguf and llama.cpp's
-build (`make bench-llamacpp`) for llama-server. For each client count the systems run
+build (`make bench-llamacpp`) for llama-server. Both servers get room for N+1
+generations (engine.infer_requests, --parallel), so that the late arrival below is not
+left waiting for a slot. For each client count the systems run
 one after another (interleaved, so a noisy machine hits them alike). Every client sends
 its own image and question at once, streamed, eos ignored, and records when each token
 arrives. Reported per system and N:
@@ -141,7 +144,7 @@ def qvld(model: Path, batching: bool, clients: int, cache: Path) -> Iterator[Ask
     workdir = Path(tempfile.mkdtemp(prefix="qvld-conc-"))
     sock = workdir / "qvld.sock"
     proc, _ = _start_daemon(model, workdir, cache, (
-        "--set", f"engine.infer_requests={max(clients, 1)}",
+        "--set", f"engine.infer_requests={clients + 1}",  # room for a late arrival
         "--set", f"engine.continuous_batching={'true' if batching else 'false'}",
         "--set", "server.queue_max=64"))
     try:
@@ -183,10 +186,11 @@ def llama_server(models: Path, clients: int) -> Iterator[Ask]:
     server = models / "llama.cpp" / "build" / "bin" / "llama-server"
     gguf = models / "gguf"
     port = free_port()
-    # Each slot gets its share of -c: room for a 448x448 image, the question and tokens.
+    # One slot more than the clients (idle slots cost no compute): room for a late
+    # arrival. Each gets its share of -c: a 448x448 image, the question and the tokens.
     argv = [str(server), "-m", str(gguf / "model-Q8_0.gguf"), "--mmproj",
-            str(gguf / "mmproj-f16.gguf"), "--parallel", str(clients), "-c",
-            str(2048 * clients), "-t", str(len(os.sched_getaffinity(0))), "--port",
+            str(gguf / "mmproj-f16.gguf"), "--parallel", str(clients + 1), "-c",
+            str(2048 * (clients + 1)), "-t", str(len(os.sched_getaffinity(0))), "--port",
             str(port), "--host", "127.0.0.1", "--no-webui", "-cb"]
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)

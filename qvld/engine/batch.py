@@ -85,7 +85,6 @@ class BatchRunner:
         self._cond = threading.Condition()
         self._incoming: list[BatchSequence] = []
         self._running: list[BatchSequence] = []
-        self._closed = False
         self.steps = 0
         self.peak_sequences = 0  # the most sequences one step has run
         # Started by the first sequence, gone when none is left: an engine replaced by a
@@ -97,9 +96,6 @@ class BatchRunner:
     def run(self, seq: BatchSequence) -> Outcome:
         """Run ``seq`` to its end with the others; blocks the calling thread."""
         with self._cond:
-            if self._closed:
-                self.pool.release(seq.lease)
-                raise RuntimeError("the engine is closed")
             self._incoming.append(seq)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="qvld-step",
@@ -111,13 +107,6 @@ class BatchRunner:
             raise seq.error
         assert seq.outcome is not None
         return seq.outcome
-
-    def close(self) -> None:
-        """Refuse new sequences; running ones end cancelled at their next step."""
-        with self._cond:
-            self._closed = True
-            for seq in [*self._running, *self._incoming]:
-                seq.decoding.should_stop = _always
 
     @property
     def busy_since(self) -> float | None:
@@ -238,7 +227,3 @@ class BatchRunner:
                                                seq.cached)
         seq.error = error
         seq.done.set()
-
-
-def _always() -> bool:
-    return True

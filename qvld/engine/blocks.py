@@ -22,7 +22,7 @@ import hashlib
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,10 +51,6 @@ class Lease:
     blocks: list[int]
     shared: int
     hashes: list[bytes] = field(default_factory=list)  # published so far, in order
-
-    @property
-    def cached_rows(self) -> int:
-        return 0 if not self.blocks else self.shared
 
 
 class NoBlocks(Exception):
@@ -117,9 +113,10 @@ class BlockPool:
                          hashes=hashes[:len(matched)])
 
     def wait_acquire(self, keys: Sequence[RowKey], owner: int | None, rows: int,
-                     should_stop: object = None, poll_s: float = 0.05) -> Lease | None:
+                     should_stop: Callable[[], bool] | None = None,
+                     poll_s: float = 0.05) -> Lease | None:
         """``acquire``, waiting while others hold the blocks; None when ``should_stop``
-        (a callable) fires first. A sequence larger than the whole pool raises NoBlocks."""
+        fires first. A sequence larger than the whole pool raises NoBlocks."""
         if self.blocks_for(rows) > self.num_blocks:
             raise NoBlocks(f"{self.blocks_for(rows)} blocks needed, the pool has "
                            f"{self.num_blocks}")
@@ -127,7 +124,7 @@ class BlockPool:
             try:
                 return self.acquire(keys, owner, rows)
             except NoBlocks:
-                if callable(should_stop) and should_stop():
+                if should_stop is not None and should_stop():
                     return None
                 with self._lock:
                     self._lock.wait(poll_s)

@@ -138,7 +138,19 @@ class PromptBuilder:
         """The image's embedding, and whether it came from the cache (``owner``'s
         entries, or one ``pinned`` since the request was prepared)."""
         key = (owner, image.digest)
-        cached = self.images.get(key, (pinned or {}).get(image.digest))
+        held = (pinned or {}).get(image.digest)
+        if held is None and self.images.peek(key) is None:
+            # Not cached: encode it, one encoder at a time with continuous batching. The
+            # lookup is repeated inside: a request for the same image that got the lock
+            # first has encoded it meanwhile (four clients asking about one photo at
+            # once encode it once).
+            with self._encoding:
+                return self._cached_or_encoded(slot, image, key, held)
+        return self._cached_or_encoded(slot, image, key, held)
+
+    def _cached_or_encoded(self, slot: Slot, image: PreparedImage, key: tuple[int | None, bytes],
+                           held: ImageEmbedding | None) -> tuple[ImageEmbedding, bool]:
+        cached = self.images.get(key, held)
         if cached is not None:
             return cached, True
         if image.patches is None:  # evicted since it was prepared: decode again
@@ -146,8 +158,7 @@ class PromptBuilder:
                 raise HistoryLost(image.digest.hex())
             image = prepare(image.data, self.spec.vision, image.budget,
                             self.max_decode_pixels)
-        with self._encoding:
-            embedding = encode_image(slot, image, self.spec.vision)
+        embedding = encode_image(slot, image, self.spec.vision)
         self.images.put(key, embedding)
         return embedding, False
 

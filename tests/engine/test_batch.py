@@ -128,3 +128,21 @@ def test_a_sessions_history_blocks_stay_pinned_through_other_traffic() -> None:
     assert small.sessions.close(0, "kept")
     small.stats()  # lets go of pins whose session ended
     assert small.blocks.stats()["pinned"] == 0
+
+
+def test_one_image_asked_about_at_once_is_encoded_once() -> None:
+    fresh = Engine(parity_config(TINY, infer_requests=4))
+    photo = CASES["image_photo"]
+    barrier = threading.Barrier(4)
+
+    def ask(question: str) -> GenerateResult:
+        messages = with_image_bytes(photo["messages"], TINY)
+        image = next(p for p in messages[-1]["content"] if p["type"] == "image")
+        barrier.wait()
+        return fresh.generate(GenerateRequest(messages=[{"role": "user", "content": [
+            image, {"type": "text", "text": question}]}], max_tokens=2, temperature=0.0))
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(ask, ["What?", "Where?", "Why?", "Who?"]))
+    assert sum(r.image_cache_misses for r in results) == 1
+    assert sum(r.image_cache_hits for r in results) == 3

@@ -1,0 +1,93 @@
+"""What one language-model step costs for 1, 2, 4, 8 sequences on this CPU (no daemon).
+
+    python bench/batch_step.py MODEL_DIR [--sizes 1,2,4,8] [--past 224] [--repeats 5]
+
+Times the paged language model qvld's continuous batching runs (one decode row per
+sequence, each with ``--past`` rows of KV cache) and, for comparison, the stateful IR
+the one-generation-per-request engine runs, fed the same number of rows at once (as a
+prompt chunk, on an empty cache: the matrix kernels see the same shapes). Decode
+is bound by memory bandwidth only while the matrix kernels stay cheap per extra row: the
+ratio of a step of N to a step of 1 is what continuous batching can gain here. Prints
+the median of ``--repeats`` steps after two warm-up steps, per size, for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qvld.config import Config, EngineConfig, ModelConfig
+from qvld.engine import Engine
+
+
+def stateful_rows(slot: Any, embeds: np.ndarray, positions: np.ndarray) -> None:
+    slot.reset()
+    slot.step(embeds, positions, np.zeros(len(embeds), bool), slot.no_deepstack())
+
+
+def median_ms(step: Callable[[], object], repeats: int) -> float:
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--sizes", default="1,2,4,8")
+    parser.add_argument("--past", type=int, default=224)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    sizes = [int(n) for n in args.sizes.split(",")]
+    rng = np.random.default_rng(0)
+    results: dict[str, dict[int, float]] = {}
+    for batching in (True, False):
+        engine = Engine(Config(model=ModelConfig(path=args.model),
+                               engine=EngineConfig(infer_requests=max(sizes),
+                                                   continuous_batching=batching)))
+        hidden = engine.spec.hidden_size
+        name = "paged (continuous batching)" if batching else "stateful (rows at once)"
+        results[name] = {}
+        for n in sizes:
+            embeds = (rng.random((n, hidden), dtype=np.float32) * 0.1)
+            if engine.batch is not None:
+                model = engine.batch.model
+                per_seq = args.past // model.block_size + 1
+                step = partial(model.step, embeds, np.full((3, n), args.past, np.int64),
+                               np.zeros(n, bool), model.no_deepstack(),
+                               np.full(n, args.past, np.int32),
+                               np.arange(n + 1, dtype=np.int32),
+                               np.arange(0, n * per_seq + 1, per_seq, dtype=np.int32),
+                               np.arange(n * per_seq, dtype=np.int32) % model.num_blocks)
+                results[name][n] = median_ms(step, args.repeats)
+            else:
+                with engine.pool.acquire() as slot:
+                    results[name][n] = median_ms(partial(
+                        stateful_rows, slot, embeds, np.tile(np.arange(n), (3, 1))),
+                        args.repeats)
+            print(f"{name}: {n} rows {results[name][n]:.0f} ms "
+                  f"({results[name][n] / results[name][sizes[0]]:.2f}x)", flush=True)
+        del engine
+    print()
+    print("| model | " + " | ".join(f"{n} rows ms (x)" for n in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    for name, row in results.items():
+        print(f"| {name} | " + " | ".join(f"{row[n]:.0f} ({row[n] / row[sizes[0]]:.2f}x)"
+                                          for n in sizes) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
