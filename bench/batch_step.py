@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -30,6 +31,18 @@ from qvld.engine import Engine
 def stateful_rows(slot: Any, embeds: np.ndarray, positions: np.ndarray) -> None:
     slot.reset()
     slot.step(embeds, positions, np.zeros(len(embeds), bool), slot.no_deepstack())
+
+
+def matmul_kernels(engine: Engine) -> dict[str, int]:
+    """Primitive types of the compiled language model's FullyConnected layers, counted."""
+    language = engine.models.language  # type: ignore[attr-defined]
+    kinds: Counter[str] = Counter()
+    for op in language.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        layer, primitive = info["layerType"].astype(str), info["primitiveType"].astype(str)
+        if "FullyConnected" in layer:
+            kinds[f"{layer}: {primitive}"] += 1
+    return dict(kinds)
 
 
 def median_ms(step: Callable[[], object], repeats: int) -> float:
@@ -79,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                         args.repeats)
             print(f"{name}: {n} rows {results[name][n]:.0f} ms "
                   f"({results[name][n] / results[name][sizes[0]]:.2f}x)", flush=True)
+        if batching:  # how the CPU plugin ran the matrix layers (no int8 kernel: *_f32)
+            print("language model matmuls:", matmul_kernels(engine), flush=True)
         del engine
     print()
     print("| model | " + " | ".join(f"{n} rows ms (x)" for n in sizes) + " |")

@@ -110,20 +110,27 @@ def test_without_a_kv_budget_nothing_is_retained() -> None:
     assert held(plain) == 0
 
 
-def test_a_sessions_history_blocks_stay_pinned_through_other_traffic() -> None:
+@pytest.mark.parametrize("pins", [True, False], ids=["pinned", "unpinned"])
+def test_a_sessions_history_blocks_stay_pinned_through_other_traffic(pins: bool) -> None:
     # A small cache (1 MiB: 23 blocks of 32 rows on the tiny model): the other requests
     # below cycle through every unpinned block.
     small = Engine(parity_config(TINY, infer_requests=2, kv_cache_mb=1))
     assert small.blocks is not None
+    if not pins:  # the same traffic evicts the whole history
+        small.blocks.max_pinned = 0
     first = small.generate(request(CASES["long"], session="kept"))
     history = first.usage.prompt_tokens + first.usage.completion_tokens
-    assert small.blocks.stats()["pinned"] * small.blocks.block_size == history // 32 * 32
+    pinned = small.blocks.stats()["pinned"] * small.blocks.block_size
+    assert pinned == (history // 32 * 32 if pins else 0)
     for case in CASES.values():  # without the pin, this evicts the whole history
         if case["name"] != "long":
             small.generate(request(case))
     follow_up = small.generate(GenerateRequest(
         messages=[{"role": "user", "content": "And then?"}], max_tokens=4,
         temperature=0.0, session="kept"))
+    if not pins:
+        assert follow_up.usage.cached_tokens == 0
+        return
     assert follow_up.usage.cached_tokens == (history - 1) // 32 * 32 > 0
     assert small.sessions.close(0, "kept")
     small.stats()  # lets go of pins whose session ended

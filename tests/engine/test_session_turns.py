@@ -89,8 +89,12 @@ def stop_inside_and_at_end_of_a_token(engine: Engine, ids: list[int]) -> tuple[i
     raise AssertionError("no token fits; pick another reference case")
 
 
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "slots"])
 @pytest.mark.parametrize("where", ["inside", "at_end"])
-def test_a_stop_string_commits_the_turn_through_the_stop(engine: Engine, where: str) -> None:
+def test_a_stop_string_commits_the_turn_through_the_stop(where: str, batching: bool) -> None:
+    # On slots the follow-up reuses the history row by row; batched, in whole blocks
+    # (none for this short history: test_batch covers block reuse by sessions).
+    engine = Engine(parity_config(TINY, infer_requests=2, continuous_batching=batching))
     case = CASES["question"]
     k, inside, at_end = stop_inside_and_at_end_of_a_token(engine, case["token_ids"])
     stop = inside if where == "inside" else at_end
