@@ -30,11 +30,13 @@ from typing import Any
 RowKey = tuple[int, bytes | None]
 
 
-def chain_hashes(keys: Sequence[RowKey], block_size: int, owner: int | None) -> list[bytes]:
-    """The hash of every full block of ``keys``, each covering all rows before it."""
-    out: list[bytes] = []
-    parent = b"qvld-kv" + struct.pack("<q", -1 if owner is None else owner)
-    for lo in range(0, len(keys) - block_size + 1, block_size):
+def chain_hashes(keys: Sequence[RowKey], block_size: int, owner: int | None,
+                 after: list[bytes] | None = None) -> list[bytes]:
+    """The hash of every full block of ``keys``, each covering all rows before it.
+    ``after``: the hashes of the first blocks, known already (only the rest are made)."""
+    out = list(after or [])
+    parent = out[-1] if out else b"qvld-kv" + struct.pack("<q", -1 if owner is None else owner)
+    for lo in range(len(out) * block_size, len(keys) - block_size + 1, block_size):
         h = hashlib.blake2b(parent, digest_size=16)
         for token, digest in keys[lo:lo + block_size]:
             h.update(struct.pack("<q", token))
@@ -204,7 +206,8 @@ class BlockPool:
         full = min(rows // self.block_size, len(lease.blocks))
         if full <= len(lease.hashes):
             return
-        hashes = chain_hashes(keys[:full * self.block_size], self.block_size, owner)
+        hashes = chain_hashes(keys[:full * self.block_size], self.block_size, owner,
+                              after=lease.hashes)
         with self._lock:
             for index in range(len(lease.hashes), full):
                 block, h = lease.blocks[index], hashes[index]

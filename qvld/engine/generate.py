@@ -136,9 +136,9 @@ class Decoding:
         searched = max(0, text.settled_length - stops.longest + 1)
         text.add(token)
         self.pending.append(token)
-        if token in self.eos or (stops.stops and (
-                stop_at := stops.find(text.text, searched)) is not None and
-                self._stop(stop_at)):
+        if token not in self.eos and stops.stops:
+            self.stop_at = stops.find(text.text, searched)
+        if token in self.eos or self.stop_at is not None:
             self.finish = "stop"
         elif (len(text.ids) >= self.max_tokens
               or self.prompt_len + len(text.ids) >= self.max_context):
@@ -155,10 +155,6 @@ class Decoding:
                 self.on_token(stable[self.released:limit], self.pending)
                 self.released, self.pending = limit, []
         return token
-
-    def _stop(self, at: int) -> bool:
-        self.stop_at = at
-        return True
 
     def cancel(self) -> None:
         """End it as cancelled (before or between tokens)."""
