@@ -178,7 +178,7 @@ def cmd_config(client: Client, args: argparse.Namespace) -> int:
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "max_image_tokens",
-                "repetition_penalty", "presence_penalty"):
+                "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = getattr(args, key, None)
         if value is not None:
             params[key] = value
@@ -298,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", dest="top_k", type=int)
     sampling.add_argument("--repetition-penalty", dest="repetition_penalty", type=float)
     sampling.add_argument("--presence-penalty", dest="presence_penalty", type=float)
+    sampling.add_argument("--frequency-penalty", dest="frequency_penalty", type=float)
     sampling.add_argument("--seed", type=int)
     sampling.add_argument("--stop", action="append", help="stop string (repeatable)")
     sampling.add_argument("--max-image-tokens", dest="max_image_tokens", type=int)

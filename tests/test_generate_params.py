@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qvld.engine import Engine
-from qvld.engine.request import GENERATE_PARAMS, parse_deadline, parse_generate
+from qvld.engine.model_dir import GenerationDefaults
+from qvld.engine.request import GENERATE_PARAMS, parse_deadline, parse_generate, sampling
 from qvld.errors import BadRequest, ImageInvalid, InternalError, QvlError
 from tests.conftest import TINY
 
@@ -67,11 +68,43 @@ def only_client_errors(engine: Engine, params: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("name", ["deadline_s", "temperature", "top_p",
-                                  "repetition_penalty", "presence_penalty"])
+                                  "repetition_penalty", "presence_penalty",
+                                  "frequency_penalty"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_numbers_are_bad_requests(name: str, value: float) -> None:
     with pytest.raises(BadRequest, match=f"{name} must be a finite number"):
         validate(Engine.__new__(Engine), {**BASE, name: value})
+
+
+def sampling_of(params: dict[str, Any]) -> Any:
+    request, _stream = parse_generate(params)
+    return sampling(request, GenerationDefaults(eos_token_ids=()))
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [-2, -2.0, -0.5, 0, 0.0, 1.25, 2, 2.0])
+def test_openai_penalties_within_range_are_accepted(name: str, value: float) -> None:
+    assert getattr(sampling_of({**BASE, name: value}), name) == value
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [-2.0001, 2.0001, -3, 3, 1e300])
+def test_openai_penalties_out_of_range_are_bad_requests(name: str, value: float) -> None:
+    with pytest.raises(BadRequest, match=rf"{name} must be within \[-2, 2\]"):
+        sampling_of({**BASE, name: value})
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [True, False, "1", b"1", [1.0], {"v": 1.0}])
+def test_openai_penalties_of_other_types_are_bad_requests(name: str, value: Any) -> None:
+    with pytest.raises(BadRequest, match=f"{name} must be a number"):
+        parse_generate({**BASE, name: value})
+
+
+def test_frequency_penalty_reaches_the_engine(tiny_engine: Engine) -> None:
+    request, _stream = parse_generate({**BASE, "frequency_penalty": 1.5})
+    assert tiny_engine.sampling_params(request).frequency_penalty == 1.5
+    validate(tiny_engine, {**BASE, "frequency_penalty": -2})
 
 
 @pytest.mark.parametrize("path", [("messages", 1, "role"), ("messages", 1, "content"),

@@ -24,8 +24,8 @@ from qvld.errors import BadRequest
 
 GENERATE_PARAMS = frozenset({
     "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
-    "presence_penalty", "seed", "stop", "session", "stream", "deadline_s", "ignore_eos",
-    "max_image_tokens",
+    "presence_penalty", "frequency_penalty", "seed", "stop", "session", "stream",
+    "deadline_s", "ignore_eos", "max_image_tokens",
 })
 ROLES = frozenset({"system", "user", "assistant"})
 
@@ -110,6 +110,7 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
         top_k=int_param(params, "top_k"),
         repetition_penalty=number_param(params, "repetition_penalty"),
         presence_penalty=number_param(params, "presence_penalty") or 0.0,
+        frequency_penalty=number_param(params, "frequency_penalty") or 0.0,
         seed=seed,
         stop=_stop(params),
         ignore_eos=bool_param(params, "ignore_eos"),
@@ -154,8 +155,13 @@ def sampling(request: GenerateRequest, gen: GenerationDefaults) -> SamplingParam
         raise BadRequest("repetition_penalty must be within (0, 10]")
     if not -2.0 <= request.presence_penalty <= 2.0:
         raise BadRequest("presence_penalty must be within [-2, 2]")
-    return SamplingParams(temperature, top_k, top_p, repetition,
-                          float(request.presence_penalty), request.seed)
+    if not -2.0 <= request.frequency_penalty <= 2.0:
+        raise BadRequest("frequency_penalty must be within [-2, 2]")
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                          repetition_penalty=repetition,
+                          presence_penalty=float(request.presence_penalty),
+                          frequency_penalty=float(request.frequency_penalty),
+                          seed=request.seed)
 
 
 def max_tokens(request: GenerateRequest, limits: EngineConfig) -> int:

@@ -1,8 +1,9 @@
 """Logits processing and token choice, as transformers does it for greedy decoding.
 
 Order: repetition penalty (over prompt + generated ids, as transformers'
-RepetitionPenaltyLogitsProcessor), presence penalty (generated ids, OpenAI style), then
-for sampling temperature -> top-k -> top-p. ``temperature == 0`` is argmax after the
+RepetitionPenaltyLogitsProcessor), presence penalty (generated ids, OpenAI style),
+frequency penalty (generated ids times their generated counts, OpenAI style), then for
+sampling temperature -> top-k -> top-p. ``temperature == 0`` is argmax after the
 penalties, which is what ``generate(do_sample=False)`` computes.
 """
 
@@ -21,6 +22,7 @@ class SamplingParams:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
 
 
@@ -39,6 +41,8 @@ class Sampler:
         self._seen_ids[:self._n_seen] = np.flatnonzero(self._seen)
         self._generated_ids = np.zeros(vocab_size, dtype=np.int64)
         self._n_generated = 0
+        # How often each id was generated; kept only when the frequency penalty needs it.
+        self._counts = np.zeros(vocab_size if params.frequency_penalty else 0, dtype=np.int32)
 
     def _penalise(self, logits: np.ndarray) -> None:
         p = self.params
@@ -49,6 +53,9 @@ class Sampler:
                                    vals / p.repetition_penalty)
         if p.presence_penalty:
             logits[self._generated_ids[:self._n_generated]] -= p.presence_penalty
+        if p.frequency_penalty:
+            idx = self._generated_ids[:self._n_generated]
+            logits[idx] -= p.frequency_penalty * self._counts[idx]
 
     def choose(self, logits: np.ndarray) -> int:
         """Pick the next token from the last position's logits (modified in place)."""
@@ -58,6 +65,8 @@ class Sampler:
             token = int(np.argmax(logits))
         else:
             token = self._sample(logits / np.float32(p.temperature))
+        if p.frequency_penalty:
+            self._counts[token] += 1
         if not self._generated[token]:
             self._generated[token] = True
             self._generated_ids[self._n_generated] = token

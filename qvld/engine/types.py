@@ -20,6 +20,7 @@ class GenerateRequest:
     top_k: int | None = None
     repetition_penalty: float | None = None
     presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
