@@ -129,8 +129,7 @@ class Client:
         server.idle_timeout_s, e.g. while a chat user thinks) is opened again, so a
         long-lived client never sees the idle timeout."""
         sock = self._sock
-        if sock is None or self._frames or self._buffer.pending or \
-                not select.select([sock], [], [], 0)[0]:
+        if sock is None or self._frames or self._buffer.pending or not _readable(sock):
             return  # nothing to read (or a reply still to take): still open
         try:
             closed = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
@@ -224,3 +223,11 @@ class Client:
                 on_token(*piece)
 
         return replies.generated(self.call("generate", params, on_event=event))
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read (or was closed), without waiting. poll, not
+    select: select() fails on descriptors past 1023, which a busy application has."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))

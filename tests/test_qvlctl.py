@@ -542,3 +542,26 @@ def test_the_real_daemons_replies_are_well_formed(daemon: Daemon) -> None:
     assert preflight.returncode in (0, 1) and b"malformed" not in preflight.stderr
     code, shown = run_on_pty(daemon.socket, "ask", "--max-tokens", "8", "Describe.")
     assert code == 0 and "TTFT" in shown and raw_controls(shown) == [], shown
+
+
+def test_the_client_checks_its_line_on_descriptors_past_1023() -> None:
+    """An application with many files open (an HTTP server, say) gets socket numbers
+    past select()'s limit; the idle-line check must still work there."""
+    import resource
+
+    from qvlctl.client import _readable
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2100:
+        pytest.fail(f"the open-file limit ({hard}) is below what this test needs")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2100), hard))
+    a, b = socket.socketpair()
+    high = socket.socket(fileno=os.dup2(a.fileno(), 2048))
+    try:
+        assert not _readable(high)
+        b.sendall(b"x")
+        assert _readable(high)
+    finally:
+        for sock in (high, a, b):
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
