@@ -33,7 +33,7 @@ done
 venv=/opt/qvld/venv
 units=/usr/lib/systemd/system
 files=(
-  "$units/qvld.service" "$units/qvld.socket"
+  "$units/qvld.service" "$units/qvld.socket" "$units/qvld-http.socket"
   /usr/lib/sysusers.d/qvld.conf /usr/lib/tmpfiles.d/qvld.conf
   /usr/bin/qvld /usr/bin/qvlctl /usr/share/doc/qvld/README.md
 )
@@ -57,6 +57,7 @@ do_install() {
 
   install_file 0644 "$src/packaging/systemd/qvld.service" "$units/qvld.service"
   install_file 0644 "$src/packaging/systemd/qvld.socket" "$units/qvld.socket"
+  install_file 0644 "$src/packaging/systemd/qvld-http.socket" "$units/qvld-http.socket"
   install_file 0644 "$src/packaging/sysusers.d/qvld.conf" /usr/lib/sysusers.d/qvld.conf
   install_file 0644 "$src/packaging/tmpfiles.d/qvld.conf" /usr/lib/tmpfiles.d/qvld.conf
   install_file 0644 "$src/README.md" /usr/share/doc/qvld/README.md
@@ -91,7 +92,7 @@ do_install() {
 
 do_uninstall() {
   if systemd_running; then
-    systemctl disable --now qvld.socket qvld.service 2>/dev/null || true
+    systemctl disable --now qvld.socket qvld-http.socket qvld.service 2>/dev/null || true
   fi
   for f in "${files[@]}"; do
     rm -f "$destdir$f"

@@ -29,12 +29,13 @@ from qvld.config import Config, iter_keys, load_config
 from qvld.engine import Engine
 from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
+from qvld.http.server import HttpFront, HttpSetupError, load_http
 from qvld.metrics import Exporter, Metrics
 from qvld.preflight import report, run_checks
 from qvld.prepare import PrepareStage
 from qvld.scheduler import Scheduler
 from qvld.server import AccessPolicy, Server, SocketInUse
-from qvld.systemd import Notifier, listen_fds
+from qvld.systemd import Notifier, named_listen_fds
 
 log = logging.getLogger("qvld")
 
@@ -42,7 +43,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 78
 # What a reload cannot change in a running daemon: the listening socket, the metrics
 # listener, the tuning applied at start-up, and the number of worker threads. Everything
 # else is applied (each component's reconfigure, or a new engine).
-RESTART_KEYS = ("server.socket", "server.socket_mode", "metrics.listen",
+RESTART_KEYS = ("server.socket", "server.socket_mode", "metrics.listen", "http.listen",
                 "engine.infer_requests",
                 *(key for key in iter_keys() if key.startswith("tuning.")))
 
@@ -133,6 +134,7 @@ class App:
                           batch=lambda: self.state.engine.batch_stats()
                           if self.state.engine is not None else {})
         self.exporter: Exporter | None = None
+        self.http: HttpFront | None = None
         self.prepare_stage: PrepareStage | None = None
         self._model_files = _model_fingerprint(config.model.path)
         self.last_errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=10)
@@ -195,6 +197,9 @@ class App:
 
     def _on_reply(self, op: object, outcome: str, seconds: float, uid: int) -> None:
         self.metrics.observe_request(op, outcome, seconds)
+        self._record_error(op, outcome, uid)
+
+    def _record_error(self, op: object, outcome: str, uid: int) -> None:
         if outcome not in ("ok", "cancelled"):
             self.last_errors.append({"at": round(time.time(), 3), "op": protocol.op_label(op),
                                      "code": outcome, "uid": uid})
@@ -265,6 +270,7 @@ class App:
                                                                self.overrides))
                 restart = [key for key in RESTART_KEYS if _changed(self.config, config, key)]
                 config = _keep(self.config, config, restart)
+                keys = load_http(config.http)
                 if old_engine is not None and self._same_model(config):
                     engine = old_engine
                 else:
@@ -293,6 +299,8 @@ class App:
                 self.prepare_stage.reconfigure(config)
             if self.server is not None:
                 self.server.reconfigure(config.server)
+            if self.http is not None:
+                self.http.reconfigure(config, keys)
             setup_logging(config)
             self.state.state = "ready"
             self.notifier.ready(f"ready: {engine.spec.name}")
@@ -355,15 +363,20 @@ class App:
                     log.error("cannot serve metrics on %s: %s", self.config.metrics.listen,
                               exc)
                     return EXIT_FAILURE
-            fds = listen_fds()
-            sock = socket.socket(fileno=fds[0]) if fds else None
+            fds = named_listen_fds()
+            unix_fd = next((fd for fd, name in fds if name != "http"), None)
+            http_fd = next((fd for fd, name in fds if name == "http"), None)
+            sock = socket.socket(fileno=unix_fd) if unix_fd is not None else None
             try:
                 await self.server.start(sock)
             except (SocketInUse, OSError) as exc:
                 log.error("cannot listen: %s", exc)
                 return EXIT_FAILURE
             log.info("listening on %s%s", self.server.address,
-                     " (socket activation)" if fds else "")
+                     " (socket activation)" if sock is not None else "")
+            code = await self._start_http(handlers, http_fd)
+            if code is not None:
+                return code
             if self.notifier.enabled:
                 background.append(asyncio.create_task(self._extend_start_timeout()))
             self._preflight_and_tune()
@@ -391,6 +404,29 @@ class App:
             await self._shutdown()
             prepare.close()
             self.notifier.close()
+
+    async def _start_http(self, handlers: Handlers, fd: int | None) -> int | None:
+        """The OpenAI-compatible listener, when configured or passed by systemd; an exit
+        code if the daemon must not go on."""
+        if fd is None and not self.config.http.listen:
+            return None
+        try:
+            keys = load_http(self.config.http)
+        except HttpSetupError as exc:
+            for line in exc.errors:
+                log.error("%s", line)
+            return EXIT_CONFIG
+        self.http = HttpFront(self.config, self.state, handlers, self.metrics, keys,
+                              on_reply=self._on_http_reply)
+        try:
+            await self.http.start(socket.socket(fileno=fd) if fd is not None else None)
+        except OSError as exc:
+            log.error("cannot serve HTTP on %s: %s", self.config.http.listen, exc)
+            return EXIT_FAILURE
+        return None
+
+    def _on_http_reply(self, op: str, outcome: str, seconds: float, uid: int) -> None:
+        self._record_error(op, outcome, uid)
 
     async def _start_engine(self, loop: asyncio.AbstractEventLoop) -> int | None:
         """Load the model; an exit code if the daemon must not go on."""
@@ -436,6 +472,8 @@ class App:
         self.notifier.notify("STOPPING=1", "STATUS=draining")
         assert self.server is not None
         await self.server.stop_accepting()
+        if self.http is not None:
+            await self.http.stop_accepting()
         timeout = self.config.server.drain_timeout_s
         deadline = time.monotonic() + timeout
         while self.scheduler.jobs() and time.monotonic() < deadline:
@@ -453,6 +491,9 @@ class App:
         self.scheduler.close()
         if self.exporter is not None:
             await self.exporter.close()
+        if self.http is not None:
+            with contextlib.suppress(Exception):
+                await self.http.close()
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.sleep(0.05)  # let the last replies reach their sockets

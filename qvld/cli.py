@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import faulthandler
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -48,8 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                "directory invalid",
     )
     parser.add_argument("command", nargs="?", default="run",
-                        choices=["run", "check-config", "preflight"],
-                        help="run (default), check-config, or preflight (system checks)")
+                        choices=["run", "check-config", "preflight", "api-key"],
+                        help="run (default), check-config, preflight (system checks), or "
+                             "api-key NAME (a new HTTP API key)")
+    parser.add_argument("name", nargs="?", metavar="NAME",
+                        help="api-key: the user the new key is for")
     parser.add_argument("--config", type=Path,
                         help="YAML config (default: $QVLD_CONFIG, else /etc/qvld/qvld.yaml "
                              "if it exists, else built-in defaults)")
@@ -60,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="preflight: print JSON")
     parser.add_argument("--textfile", type=Path,
                         help="preflight: also write node_exporter textfile metrics here")
+    parser.add_argument("--keys-file", type=Path, metavar="FILE",
+                        help="api-key: append the key's hash to this file "
+                             "(http.api_keys_file)")
     parser.add_argument("--version", action="version", version=f"qvld {__version__}")
     return parser
 
@@ -78,7 +87,14 @@ def config_source(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
 def check_config(config: Config) -> int:
     from qvld.engine.model_dir import load_model_spec
     from qvld.errors import ModelInvalid
+    from qvld.http.server import HttpSetupError, load_http
 
+    try:
+        load_http(config.http)  # the keys file and the fetch allow-lists
+    except HttpSetupError as exc:
+        for line in exc.errors:
+            print(f"qvld: {line}", file=sys.stderr)
+        return EXIT_CONFIG
     if config.model.path is None:
         print("qvld: configuration is valid, but model.path is not set", file=sys.stderr)
         return EXIT_CONFIG
@@ -109,9 +125,88 @@ def preflight(config: Config, as_json: bool, textfile: Path | None) -> int:
     return EXIT_OK if document["ok"] else EXIT_FAILURE
 
 
+def api_key(name: str, keys_file: Path | None) -> int:
+    """Print a new key; record its hash in ``keys_file``, or say what line to add."""
+    from qvld.http.keys import ApiKeys, KeyFileError, hash_key, new_key, valid_name
+
+    if not valid_name(name):
+        print(f"qvld: api-key: user name {name!r} is not 1-64 characters of [A-Za-z0-9._@-]",
+              file=sys.stderr)
+        return EXIT_USAGE
+    key = new_key()
+    line = f"{name}:{hash_key(key)}"
+    if keys_file is None:
+        print(key)
+        print(f"add to http.api_keys_file: {line}", file=sys.stderr)
+        return EXIT_OK
+    try:
+        exists = keys_file.exists()
+        # Validate the whole file first: appending to a broken one would hide the breakage.
+        if exists and name in ApiKeys.load(keys_file).names:
+            print(f"qvld: api-key: {name} already has a key in {keys_file}; remove "
+                  "that line first to replace it", file=sys.stderr)
+            return EXIT_USAGE
+        _append_line(keys_file, line, exists)
+    except KeyFileError as exc:
+        for error in exc.errors:
+            print(f"qvld: api-key: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as exc:
+        print(f"qvld: api-key: {keys_file}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    # The key goes out only once its hash is safely on disk.
+    print(key)
+    print(f"added {name} to {keys_file}; reload the daemon: systemctl reload qvld",
+          file=sys.stderr)
+    return EXIT_OK
+
+
+def _append_line(path: Path, line: str, exists: bool) -> None:
+    """Append ``line`` atomically: the daemon may re-read the file at any moment, and a
+    crash must leave either the old file or the new one, never a torn one."""
+    if exists:
+        text = path.read_bytes()
+        info = path.stat()
+        mode, owner = info.st_mode & 0o7777, (info.st_uid, info.st_gid)
+    else:
+        text, mode, owner = b"", 0o640, None  # the daemon's group may read it; others not
+    if text and not text.endswith(b"\n"):
+        text += b"\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            # Keep the owner and the group the daemon reads it through when root edits
+            # the file (chown first: it may clear mode bits).
+            made = os.fstat(file.fileno())
+            if owner is not None and owner != (made.st_uid, made.st_gid):
+                os.fchown(file.fileno(), *owner)
+            os.fchmod(file.fileno(), mode)  # mkstemp makes 0600, and umask must not apply
+            file.write(text + line.encode() + b"\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     enable_crash_traces()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "api-key":
+        # Before the config: issuing a key needs neither a config nor a model.
+        if args.name is None:
+            parser.error("api-key needs a user NAME")
+        return api_key(args.name, args.keys_file)
+    if args.name is not None:
+        parser.error(f"unrecognized arguments: {args.name}")
     path, overrides = config_source(args)
     try:
         config = load_config(path, overrides)

@@ -217,17 +217,21 @@ class MetricsConfig(_Section):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
-        """HOST:PORT the exporter can bind: an IPv4 literal, [IPv6], a name that
-        resolves now, or empty for every interface; a port 1..65535."""
-        if not value:
-            return None
-        host, sep, port = value.rpartition(":")
-        if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
-            raise ValueError(f"{value!r} is not HOST:PORT (a port 1..65535)")
-        problem = _listen_host_problem(host, int(port))
-        if problem:
-            raise ValueError(problem)
-        return value
+        return _listen_address(value)
+
+
+def _listen_address(value: str | None) -> str | None:
+    """HOST:PORT a listener can bind: an IPv4 literal, [IPv6], a name that resolves
+    now, or empty for every interface; a port 1..65535. Empty: none."""
+    if not value:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT (a port 1..65535)")
+    problem = _listen_host_problem(host, int(port))
+    if problem:
+        raise ValueError(problem)
+    return value
 
 
 def _listen_host_problem(host: str, port: int) -> str | None:
@@ -273,6 +277,44 @@ def _resolve_problem(host: str, port: int) -> str | None:
     return outcome[0]
 
 
+class HttpConfig(_Section):
+    """The OpenAI-compatible HTTP listener (qvld.http); off unless listen is set or
+    systemd passes a socket named "http" (qvld-http.socket)."""
+
+    listen: str | None = None  # HOST:PORT, e.g. 127.0.0.1:8090; none/empty: off
+    # "NAME:sha256:HEX" lines (qvld api-key NAME); none: loopback clients only, one
+    # user named "local".
+    api_keys_file: Path | None = None
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=FRAME_MAX)
+    max_connections: int = Field(256, ge=1)
+    # A request head or body must arrive within this, and a connection with no request
+    # for this long is closed (a slowloris client holds a connection at most this long).
+    read_timeout_s: float = Field(30, gt=0, le=MAX_SECONDS)
+    # Token events a streaming client may leave unread before it is cut off (its
+    # generation cancelled), so a reader that stalls never grows the daemon's memory.
+    max_unsent_events: int = Field(4096, ge=16)
+    # image_url parts with detail "low": this image-token budget (≈ 256×256 pixels).
+    low_detail_image_tokens: int = Field(64, ge=1)
+    # http(s) image URLs: refused unless on, and then only from fetch_allow_hosts
+    # (names, *.domain, IP literals, "*" for any public host); hosts that resolve to
+    # private, loopback or link-local addresses only when also in fetch_allow_private.
+    fetch_image_urls: bool = False
+    fetch_allow_hosts: list[str] = Field(default_factory=list)
+    fetch_allow_private: list[str] = Field(default_factory=list)
+    fetch_max_bytes: int = Field(10 * 1024 * 1024, ge=1024, le=FRAME_MAX)
+    fetch_timeout_s: float = Field(10, gt=0, le=3600)
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        return _listen_address(value)
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _path(cls, value: Path | None) -> Path | None:
+        return _no_nul(value)  # type: ignore[no-any-return]
+
+
 class TuningConfig(_Section):
     apply: bool = True
     pin_cpus: str | None = "auto"  # auto, a CPU list such as "0-3,6", or none
@@ -312,6 +354,7 @@ class Config(_Section):
     engine: EngineConfig = EngineConfig()
     server: ServerConfig = ServerConfig()
     metrics: MetricsConfig = MetricsConfig()
+    http: HttpConfig = HttpConfig()
     tuning: TuningConfig = TuningConfig()
     logging: LoggingConfig = LoggingConfig()
 

@@ -23,7 +23,7 @@ from qvld.server import Peer, RequestContext
 # Shown to admins only: who may connect or administer, and where things live.
 ADMIN_ONLY_CONFIG = (("server", "allow_uids"), ("server", "allow_groups"),
                      ("server", "admin_groups"), ("server", "socket"),
-                     ("model", "path"), ("model", "cache_dir"))
+                     ("model", "path"), ("model", "cache_dir"), ("http", "api_keys_file"))
 HIDDEN = "<hidden>"
 
 @dataclass

@@ -1,8 +1,8 @@
 """Prometheus metrics on an injected registry, and the HTTP exporter.
 
 Names follow Prometheus conventions (base units, ``_total`` counters, ``qvld_`` prefix).
-Label values never come from client input: ``op`` is a known op or ``unknown`` and
-``outcome`` is ``ok``, ``cancelled`` or an error code.
+Label values never come from client input: ``api`` is ``socket`` or ``http``, ``op`` is a
+known op or ``unknown`` and ``outcome`` is ``ok``, ``cancelled`` or an error code.
 """
 
 from __future__ import annotations
@@ -34,8 +34,13 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5
 # Per-token gaps: 5 ms to 2 s.
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.25,
                  0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0)
-OUTCOMES = ("ok", "cancelled", *ERRORS_BY_CODE)
+# The HTTP front adds its own: a missing or wrong key, a path or method it does not serve.
+OUTCOMES = ("ok", "cancelled", *ERRORS_BY_CODE, "invalid_api_key", "not_found",
+            "method_not_allowed")
 # Generations per batched step, and prompt rows fed per step.
+APIS = ("socket", "http")
+# What the HTTP front calls its routes in metrics (the chat completions are "generate").
+HTTP_OPS = frozenset({"generate", "health", "models", "metrics"})
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PREFILL_ROW_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -56,7 +61,7 @@ class Metrics:
 
         self.request_duration = histogram(
             "qvld_request_duration_seconds", "Time from a request's arrival to its final reply.",
-            LATENCY_BUCKETS, ("op",))
+            LATENCY_BUCKETS, ("api", "op"))
         self.ttft = histogram("qvld_time_to_first_token_seconds",
                               "Time from a generate request's arrival to its first token.",
                               LATENCY_BUCKETS)
@@ -69,8 +74,9 @@ class Metrics:
                                       LATENCY_BUCKETS)
         self.prefill = histogram("qvld_prefill_seconds", "Prompt prefill per request.",
                                  LATENCY_BUCKETS)
-        self.requests = Counter("qvld_requests", "Requests by op and outcome.",
-                                ("op", "outcome"), registry=registry)
+        self.requests = Counter("qvld_requests", "Requests by front door (the Unix socket "
+                                "or HTTP), op and outcome.", ("api", "op", "outcome"),
+                                registry=registry)
         self.prompt_tokens = Counter("qvld_prompt_tokens", "Prompt tokens of generations.",
                                      registry=registry)
         self.generated_tokens = Counter("qvld_generated_tokens", "Tokens generated.",
@@ -117,7 +123,7 @@ class Metrics:
         ProcessCollector(registry=registry)
         # Pre-create the request series that alert rules divide by, so they exist at 0.
         for op in ("generate", "health"):
-            self.requests.labels(op, "ok")
+            self.requests.labels("socket", op, "ok")
 
     def bind(self, in_flight: Callable[[], float], queue_depth: Callable[[], float],
              sessions: Callable[[], float],
@@ -146,10 +152,13 @@ class Metrics:
         self.batch_size.observe(sequences)
         self.step_prefill.observe(prefill_rows)
 
-    def observe_request(self, op: object, outcome: str, seconds: float) -> None:
-        label = protocol.op_label(op)
-        self.requests.labels(label, outcome_label(outcome)).inc()
-        self.request_duration.labels(label).observe(seconds)
+    def observe_request(self, op: object, outcome: str, seconds: float,
+                        api: str = "socket") -> None:
+        api = api if api in APIS else "socket"
+        label = op if api == "http" and op in HTTP_OPS else protocol.op_label(op)
+        assert isinstance(label, str)
+        self.requests.labels(api, label, outcome_label(outcome)).inc()
+        self.request_duration.labels(api, label).observe(seconds)
 
     def observe_generation(self, result: Any) -> None:
         """A finished generation's timings and counts (a GenerateResult)."""

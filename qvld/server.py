@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from qvld import protocol
 from qvld.config import ServerConfig
@@ -108,13 +108,22 @@ class AccessPolicy:
         return peer.uid in (0, self.own_uid) or bool(peer.groups & self.admin_gids)
 
 
+class Channel(Protocol):
+    """Where a request's events go and what else is in flight beside it: a socket
+    connection, or one HTTP exchange."""
+
+    in_flight: dict[int, RequestContext]
+
+    def send_threadsafe(self, message: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class RequestContext:
     """What a handler may use besides its params."""
 
     request: protocol.Request
     peer: Peer
-    connection: Connection
+    connection: Channel
     cancelled: threading.Event = field(default_factory=threading.Event)
     on_cancel: list[Callable[[], None]] = field(default_factory=list)
     arrived: float = field(default_factory=time.monotonic)
@@ -442,13 +451,12 @@ class Server:
                 continue
             ctx = RequestContext(request=request, peer=conn.peer, connection=conn)
             conn.in_flight[request.id] = ctx
-            task = asyncio.create_task(self._run(ctx))
+            task = asyncio.create_task(self._run(conn, ctx))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, ctx: RequestContext) -> None:
+    async def _run(self, conn: Connection, ctx: RequestContext) -> None:
         rid = ctx.request.id
-        conn = ctx.connection
         outcome = "ok"
         try:
             result = await self.dispatch(ctx)

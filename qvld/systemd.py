@@ -47,6 +47,12 @@ class Notifier:
 
 def listen_fds(unset_environment: bool = True) -> list[int]:
     """File descriptors passed by socket activation (LISTEN_FDS for this very process)."""
+    return [fd for fd, _ in named_listen_fds(unset_environment)]
+
+
+def named_listen_fds(unset_environment: bool = True) -> list[tuple[int, str]]:
+    """The same, each with its FileDescriptorName= (LISTEN_FDNAMES; "unknown" where
+    systemd gave none): qvld.socket and qvld-http.socket reach one process."""
     try:
         pid = int(os.environ.get("LISTEN_PID", ""))
         count = int(os.environ.get("LISTEN_FDS", ""))
@@ -54,10 +60,12 @@ def listen_fds(unset_environment: bool = True) -> list[int]:
         return []
     if pid != os.getpid() or count < 1:
         return []
+    names = os.environ.get("LISTEN_FDNAMES", "").split(":")
     if unset_environment:
         for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
             os.environ.pop(key, None)
     fds = list(range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + count))
     for fd in fds:
         os.set_inheritable(fd, False)
-    return fds
+    names += ["unknown"] * (count - len(names))
+    return list(zip(fds, names[:count], strict=True))

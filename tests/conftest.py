@@ -287,7 +287,7 @@ while finals > 0:
     n = 4 + int.from_bytes(buf[:4], "big")
     frame, buf = buf[:n], buf[n:]
     print(time.time(), frame[4:].hex(), flush=True)
-    if b"event" not in frame:
+    if b"\\xa5event" not in frame:  # the msgpack string "event": a key of events only
         finals -= 1
 """
 NOBODY = 65534

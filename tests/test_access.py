@@ -91,7 +91,8 @@ def test_status_and_config_show_a_non_admin_only_their_own(shared_dir: Path) -> 
         assert status["model"]["name"] == admin_status["model"]["name"]
         for section, key in [("server", "allow_uids"), ("server", "allow_groups"),
                              ("server", "admin_groups"), ("server", "socket"),
-                             ("model", "path"), ("model", "cache_dir")]:
+                             ("model", "path"), ("model", "cache_dir"),
+                             ("http", "api_keys_file")]:
             assert config[section][key] == "<hidden>", key
         assert admin_config["server"]["allow_uids"] == [NOBODY]
         assert admin_config["model"]["path"] == str(TINY)

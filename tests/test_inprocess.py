@@ -192,7 +192,7 @@ def test_app_records_errors_per_uid_and_shows_each_user_their_own() -> None:
     everyone = app.status_details(viewer=None)["last_errors"]
     assert [e["uid"] for e in everyone] == [1000, 2000]
     text = app.metrics.exposition()
-    assert 'qvld_requests_total{op="generate",outcome="busy"} 1.0' in text
+    assert 'qvld_requests_total{api="socket",op="generate",outcome="busy"} 1.0' in text
 
 
 def test_the_server_socket_has_the_configured_mode_and_goes_on_close(tmp_path: Path

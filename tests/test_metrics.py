@@ -68,13 +68,13 @@ def test_each_counter_and_histogram_moves_by_what_was_sent(metered: tuple[Daemon
     def moved(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert moved("qvld_requests_total", op="generate", outcome="ok") == 2
-    assert moved("qvld_requests_total", op="generate", outcome="image_invalid") == 1
-    assert moved("qvld_requests_total", op="generate", outcome="busy") == 1
-    assert moved("qvld_requests_total", op="generate", outcome="cancelled") == 1
-    assert moved("qvld_requests_total", op="cancel", outcome="ok") == 1
-    assert moved("qvld_requests_total", op="unknown", outcome="bad_request") == 1
-    assert moved("qvld_request_duration_seconds_count", op="generate") == 5
+    assert moved("qvld_requests_total", api="socket", op="generate", outcome="ok") == 2
+    assert moved("qvld_requests_total", api="socket", op="generate", outcome="image_invalid") == 1
+    assert moved("qvld_requests_total", api="socket", op="generate", outcome="busy") == 1
+    assert moved("qvld_requests_total", api="socket", op="generate", outcome="cancelled") == 1
+    assert moved("qvld_requests_total", api="socket", op="cancel", outcome="ok") == 1
+    assert moved("qvld_requests_total", api="socket", op="unknown", outcome="bad_request") == 1
+    assert moved("qvld_request_duration_seconds_count", api="socket", op="generate") == 5
     # The two ok generations and the cancelled one reached the engine.
     assert moved("qvld_time_to_first_token_seconds_count") == 3
     assert moved("qvld_queue_wait_seconds_count") == 3
@@ -167,6 +167,11 @@ def test_labels_never_come_from_client_input() -> None:
     metrics = Metrics(registry)
     metrics.observe_request("x" * 100, "weird", 0.1)
     text = metrics.exposition()
-    assert 'op="unknown",outcome="internal"' in text and "xxxx" not in text
+    assert 'api="socket",op="unknown",outcome="internal"' in text and "xxxx" not in text
+    metrics.observe_request("models", "not_found", 0.1, api="http")
+    metrics.observe_request("status", "ok", 0.1, api="http\n")  # neither api nor op made up
+    text = metrics.exposition()
+    assert 'qvld_requests_total{api="http",op="models",outcome="not_found"} 1.0' in text
+    assert 'qvld_requests_total{api="socket",op="status",outcome="ok"} 1.0' in text
 
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 needs_sandbox = pytest.mark.skipif(not sandbox.available(), reason="needs root and unshare")
 
 INSTALLED = ["/usr/lib/systemd/system/qvld.service", "/usr/lib/systemd/system/qvld.socket",
+             "/usr/lib/systemd/system/qvld-http.socket",
              "/usr/lib/sysusers.d/qvld.conf", "/usr/lib/tmpfiles.d/qvld.conf",
              "/usr/bin/qvld", "/usr/bin/qvlctl",
              "/usr/share/doc/qvld/README.md", "/opt/qvld/venv/bin/qvld"]
@@ -38,7 +39,8 @@ cd {ROOT}
 packaging/install.sh >/dev/null
 echo "== first"; {SNAPSHOT}
 echo "== verify"; systemd-analyze verify /usr/lib/systemd/system/qvld.service \
-    /usr/lib/systemd/system/qvld.socket 2>&1; echo "verify-rc $?"
+    /usr/lib/systemd/system/qvld.socket /usr/lib/systemd/system/qvld-http.socket 2>&1
+echo "verify-rc $?"
 echo "== security"; systemd-analyze security --offline=yes qvld.service 2>&1 | tail -1
 echo "== preflight"; /usr/bin/qvld preflight --set model.path={TINY} >/dev/null && echo ran
 echo "== mdwe"; /opt/qvld/venv/bin/python -c 'import qvld' && echo importable
@@ -86,6 +88,12 @@ def test_units_name_what_the_installer_installs() -> None:
     assert "SocketMode=0660" in socket_unit and "SocketGroup=qvl" in socket_unit
     config = (ROOT / "etc/qvld/qvld.yaml").read_text()
     assert "socket: /run/qvld/qvld.sock" in config
+    # The HTTP socket reaches the same service under the name the daemon looks for, on
+    # loopback (the service allows only localhost traffic), ordered before the service.
+    http_unit = (ROOT / "packaging/systemd/qvld-http.socket").read_text()
+    assert "FileDescriptorName=http" in http_unit and "Service=qvld.service" in http_unit
+    assert re.search(r"^ListenStream=127\.0\.0\.1:\d+$", http_unit, re.M)
+    assert re.search(r"^After=.*\bqvld-http\.socket\b", service, re.M)
 
 
 PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN = 65, 1

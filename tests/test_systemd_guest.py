@@ -141,3 +141,41 @@ systemctl restart qvld.service
     journal = guest.run("journalctl -u qvld --no-pager").stdout
     assert "Watchdog timeout" in journal
     qvlctl(guest, "health")
+
+
+def test_http_socket_activation_then_the_openai_client(guest: Guest) -> None:
+    """qvld-http.socket starts the stopped service on the first HTTP request and hands
+    it the listener; the real openai client is answered through it."""
+    import base64
+
+    import openai
+
+    from tests.conftest import free_port
+
+    port = free_port()  # the guest shares this machine's network namespace
+    guest.run(f"""
+mkdir -p /etc/systemd/system/qvld-http.socket.d
+printf '[Socket]\\nListenStream=\\nListenStream=127.0.0.1:{port}\\n' \
+  > /etc/systemd/system/qvld-http.socket.d/port.conf
+systemctl daemon-reload
+systemctl stop qvld.service
+systemctl enable --now qvld-http.socket
+""")
+    assert show(guest, "ActiveState", "qvld-http.socket") == "active"
+    assert show(guest, "ActiveState") == "inactive"
+    image = base64.b64encode((ROOT / "examples/receipt.png").read_bytes()).decode()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           max_retries=0, timeout=180)
+    answer = client.chat.completions.create(model="qvld", max_tokens=8, messages=[{
+        "role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+            {"type": "text", "text": "What is the total?"}]}])
+    assert answer.choices[0].message.content
+    assert answer.usage is not None and answer.usage.completion_tokens > 0
+    assert answer.usage.prompt_tokens_details is not None
+    assert show(guest, "ActiveState") == "active"
+    journal = guest.run("journalctl -u qvld --no-pager -o cat").stdout
+    assert f"HTTP API on http://127.0.0.1:{port}" in journal
+    assert "user=local op=generate outcome=ok" in journal
+    # Both sockets reach the one process: the Unix socket still answers qvlctl.
+    qvlctl(guest, "health")

@@ -26,6 +26,8 @@ ln -s "$venv/bin/qvld" "$root/usr/bin/qvld"
 ln -s "$venv/bin/qvlctl" "$root/usr/bin/qvlctl"
 install -D -m 0644 "$src/packaging/systemd/qvld.service" "$root/lib/systemd/system/qvld.service"
 install -D -m 0644 "$src/packaging/systemd/qvld.socket" "$root/lib/systemd/system/qvld.socket"
+install -D -m 0644 "$src/packaging/systemd/qvld-http.socket" \
+  "$root/lib/systemd/system/qvld-http.socket"
 install -D -m 0644 "$src/packaging/sysusers.d/qvld.conf" "$root/usr/lib/sysusers.d/qvld.conf"
 install -D -m 0644 "$src/packaging/tmpfiles.d/qvld.conf" "$root/usr/lib/tmpfiles.d/qvld.conf"
 install -d "$root/etc/qvld"

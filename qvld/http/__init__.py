@@ -1,0 +1,1 @@
+"""The HTTP front: OpenAI-compatible chat completions onto the same handlers as the socket."""

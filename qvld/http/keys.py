@@ -1,0 +1,219 @@
+"""Bearer API keys for the HTTP listener.
+
+The keys live in one file (``http.api_keys_file``), stored hashed, one key per user
+name; the daemon re-reads it on SIGHUP. The format::
+
+    # comments and blank lines are ignored
+    alice:sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad
+    bob:sha256:<64 lowercase hex digits>
+
+- NAME: 1-64 characters of ``[A-Za-z0-9._@-]``; each name appears once.
+- ``sha256:`` and the SHA-256 of the UTF-8 key, 64 lowercase hex digits; each hash
+  appears once (two users with one key could not be told apart).
+
+``qvld api-key NAME --keys-file FILE`` prints a new key and appends its line. A line
+holding a plaintext key is refused: the file is read by the daemon and copied into
+backups, so it holds only hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import stat
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+log = logging.getLogger("qvld.http")
+
+# HTTP users get ids above every uid (uid_t is 32 bits), so no key ever maps to root or
+# to a user of the socket.
+HTTP_USER_ID_BASE = 1 << 32
+
+SCHEME = "sha256:"
+MAX_TOKEN = 512
+_NAME = re.compile(r"[A-Za-z0-9._@-]{1,64}")
+_HEX = re.compile(r"[0-9a-f]+")
+# RFC 9110 credentials: scheme, then SP/HTAB, then the token; nothing else splits them
+# (str.split() would also split on \x1c-\x1f, \x85 and friends).
+_BEARER = re.compile(rf"[ \t]*([A-Za-z]+)[ \t]+([\x21-\x7e]{{1,{MAX_TOKEN}}})[ \t]*")
+
+
+class KeyFileError(Exception):
+    """The keys file cannot be used; ``errors`` holds every problem, "path:line: why"."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def hash_key(key: str) -> str:
+    """``"sha256:<hex>"`` of the UTF-8 key.
+
+    Keys are long random tokens (see new_key), not passwords: nobody can guess one from
+    its hash, so a fast hash is right and a slow KDF would only cost every request.
+    """
+    return SCHEME + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh key: 256 random bits; the prefix makes a leaked key easy to recognise."""
+    return "qvld-" + secrets.token_urlsafe(32)
+
+
+def valid_name(name: str) -> bool:
+    return _NAME.fullmatch(name) is not None
+
+
+def parse_bearer(header: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, else None."""
+    if header is None:
+        return None
+    match = _BEARER.fullmatch(header)
+    if match is None or match.group(1).lower() != "bearer":
+        return None
+    return match.group(2)
+
+
+def _parse_line(line: str, where: str) -> tuple[str | None, str | None, list[str]]:
+    """(name, hash, errors) of one non-comment line; name or hash None where invalid.
+
+    Messages never quote what may be a key: they end up in logs.
+    """
+    name, sep, rest = line.partition(":")
+    if sep and not rest:
+        return None, None, [f"{where}: no sha256:<hex> after the name"]
+    if not sep or ":" not in rest:
+        who = name if sep and valid_name(name) else "NAME"
+        return None, None, [
+            f"{where}: looks like a plaintext key; the file holds only hashes: issue a new "
+            f"key with `qvld api-key {who} --keys-file FILE`, or write "
+            f"{who}:sha256:<sha256 hex of the key>"]
+    errors = []
+    if not valid_name(name):
+        shown = repr(name) if len(name) <= 64 else "longer than 64 characters"
+        errors.append(f"{where}: user name {shown} is not 1-64 characters of "
+                      "[A-Za-z0-9._@-]")
+    key_hash: str | None = None
+    scheme, _, digest = rest.partition(":")
+    if scheme != SCHEME[:-1]:
+        errors.append(f"{where}: unknown hash {scheme[:16]!r} (only sha256)")
+    elif _HEX.fullmatch(digest) is None:
+        errors.append(f"{where}: the sha256 hash is not lowercase hex digits")
+    elif len(digest) != 64:
+        errors.append(f"{where}: the sha256 hash has {len(digest)} hex digits, not 64")
+    else:
+        key_hash = SCHEME + digest
+    return (name if valid_name(name) else None), key_hash, errors
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """The keys of one reading of the keys file."""
+
+    users_by_hash: Mapping[str, str]  # "sha256:<hex>" -> user name
+    path: Path | None = None
+
+    @classmethod
+    def load(cls, path: Path) -> ApiKeys:
+        """Read and validate ``path``; KeyFileError lists every problem at once."""
+        try:
+            with open(path, "rb") as file:
+                mode = os.fstat(file.fileno()).st_mode
+                data = file.read()
+        except OSError as exc:
+            raise KeyFileError([f"{path}: {exc.strerror or exc}"]) from exc
+        if mode & stat.S_IROTH:
+            # Hashes of random keys do not give keys away, but who has a key is still
+            # nobody else's business; warn rather than refuse to start.
+            log.warning("%s is readable by every user (mode %04o); chmod o-r it",
+                        path, stat.S_IMODE(mode))
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise KeyFileError([f"{path}: not UTF-8 text ({exc.reason})"]) from exc
+
+        errors: list[str] = []
+        users: dict[str, str] = {}
+        name_lines: dict[str, int] = {}
+        hash_lines: dict[str, int] = {}
+        for number, raw in enumerate(text.splitlines(), start=1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            where = f"{path}:{number}"
+            name, key_hash, line_errors = _parse_line(line, where)
+            errors += line_errors
+            if name is not None:
+                if name in name_lines:
+                    errors.append(f"{where}: user {name!r} already has a key on line "
+                                  f"{name_lines[name]}")
+                else:
+                    name_lines[name] = number
+            if key_hash is not None:
+                if key_hash in hash_lines:
+                    errors.append(f"{where}: the same key hash as line {hash_lines[key_hash]}")
+                else:
+                    hash_lines[key_hash] = number
+            if not line_errors and name is not None and key_hash is not None:
+                users.setdefault(key_hash, name)
+        if errors:
+            raise KeyFileError(errors)
+        return cls(MappingProxyType(users), path)
+
+    def user(self, key: str) -> str | None:
+        """The user a presented key belongs to, or None.
+
+        A dict lookup of the key's hash, not hmac.compare_digest: what timing could leak
+        is how much of a stored hash matches the hash of the attacker's guess, and that
+        brings no closer a key hashing to it.
+        """
+        if not key:
+            return None
+        try:
+            key_hash = hash_key(key)
+        except UnicodeEncodeError:  # lone surrogates: no key in the file is one
+            return None
+        return self.users_by_hash.get(key_hash)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self.users_by_hash.values())
+
+    def __len__(self) -> int:
+        return len(self.users_by_hash)
+
+
+class UserIds:
+    """Stable numeric ids for HTTP user names within one daemon process (the scheduler,
+    sessions and caches key users by int). Append-only, so a key-file reload keeps every
+    user's sessions; ids start at HTTP_USER_ID_BASE."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._names: list[str] = []
+        self._lock = threading.Lock()  # ids must stay distinct if threads ask at once
+
+    def id(self, name: str) -> int:
+        with self._lock:
+            user_id = self._ids.get(name)
+            if user_id is None:
+                user_id = HTTP_USER_ID_BASE + len(self._names)
+                self._ids[name] = user_id
+                self._names.append(name)
+            return user_id
+
+    def name(self, user_id: int) -> str | None:
+        index = user_id - HTTP_USER_ID_BASE
+        with self._lock:
+            return self._names[index] if 0 <= index < len(self._names) else None
+
+    @staticmethod
+    def is_http(user_id: int) -> bool:
+        return user_id >= HTTP_USER_ID_BASE

@@ -1,0 +1,300 @@
+"""OpenAI chat completions <-> protocol v1 ``generate``: translation only, no I/O.
+
+``parse_chat`` turns a ``POST /v1/chat/completions`` body into the params the socket's
+``generate`` takes (so one parser, ``qvld.engine.request``, still checks every value);
+the other functions shape results, stream chunks and errors the way OpenAI's clients
+read them. Images come as ``data:`` URLs (PNG, JPEG, WebP, GIF); http(s) URLs are left
+for the caller to fetch, where the admin allows it.
+
+Fields OpenAI defines but qvld does not do (tools, logprobs, other response formats)
+are refused when they ask for something, and accepted at their "off" value, because
+clients send them by default. Unknown fields are refused with a did-you-mean.
+Extensions, as llama-server and vLLM accept them: ``top_k``, ``repetition_penalty``,
+``max_image_tokens``, ``ignore_eos``, ``session`` (or the ``X-Qvld-Session`` header).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from qvld.config import did_you_mean
+from qvld.errors import BadRequest, ImageInvalid, QvlError
+
+FIELDS = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "seed", "stop", "presence_penalty", "frequency_penalty", "n", "user", "stream",
+    "stream_options",
+    # extensions
+    "top_k", "repetition_penalty", "max_image_tokens", "ignore_eos", "session",
+})
+# name -> the values that ask for nothing (what clients send by default).
+OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}), "store": (None, False),
+    "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]), "logit_bias": (None, {}), "prediction": (None,),
+    "audio": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+}
+# Passed through to protocol v1 as they are (its parser checks types and ranges).
+PASSED = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+          "top_k", "repetition_penalty", "max_image_tokens", "ignore_eos", "session")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MESSAGE_KEYS = frozenset({"role", "content", "name"})
+IMAGE_TYPES = {"png": b"\x89PNG\r\n\x1a\n", "jpeg": b"\xff\xd8\xff", "gif": b"GIF8"}
+DATA_URL = re.compile(r"data:image/([a-z0-9.+-]+)(;[a-z0-9=.+-]+)*;base64,", re.IGNORECASE)
+MAX_USER_CHARS = 256
+
+# HTTP status by error code, and the error "type" OpenAI's clients show.
+STATUS = {"bad_request": 400, "unsupported_version": 400, "image_invalid": 400,
+          "image_too_large": 400, "prompt_too_long": 400, "frame_too_large": 413,
+          "invalid_api_key": 401, "forbidden": 403, "not_found": 404,
+          "method_not_allowed": 405, "busy": 429, "unavailable": 503, "timeout": 504,
+          "internal": 500}
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+         413: "invalid_request_error",
+         429: "rate_limit_error", 500: "server_error", 503: "unavailable_error",
+         504: "timeout_error"}
+
+
+def bad(param: str, message: str) -> BadRequest:
+    """A bad_request that names the offending field (OpenAI's ``param``)."""
+    exc = BadRequest(message)
+    exc.param = param or None  # type: ignore[attr-defined]
+    return exc
+
+
+@dataclass
+class RemoteImage:
+    """An http(s) image_url part: fetched by the caller, its bytes put in ``part``."""
+
+    url: str
+    part: dict[str, Any]
+
+
+@dataclass
+class ChatRequest:
+    params: dict[str, Any]  # protocol v1 generate params
+    stream: bool
+    include_usage: bool
+    model: str | None
+    user: str | None
+    remote_images: list[RemoteImage] = field(default_factory=list)
+
+
+def parse_chat(body: Any, session: str | None = None,
+               low_detail_tokens: int = 64) -> ChatRequest:
+    """A chat-completions body -> protocol v1 generate params (``session``: the
+    X-Qvld-Session header, which wins over the body's field)."""
+    if not isinstance(body, dict):
+        raise bad("", "the request body must be a JSON object")
+    for name in body:
+        if name in FIELDS:
+            continue
+        if name in OFF_VALUES:
+            if body[name] not in OFF_VALUES[name]:
+                raise bad(name, f"{name} is not supported by this server")
+            continue
+        hint = did_you_mean(str(name), FIELDS | set(OFF_VALUES))
+        raise bad(str(name), f"unknown field {name!r}{hint}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "model must be a string")
+    n = body.get("n")
+    if n is not None and (n != 1 or isinstance(n, bool)):
+        raise bad("n", "n must be 1: this server returns one choice per request")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise bad("user", f"user must be a string of at most {MAX_USER_CHARS} characters")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad("stream", "stream must be true or false")
+    include_usage = _stream_options(body.get("stream_options"), stream)
+    messages, remote, details = _messages(body.get("messages"))
+    params: dict[str, Any] = {"messages": messages, "stream": stream}
+    tokens = _max_tokens(body)
+    if tokens is not None:
+        params["max_tokens"] = tokens
+    for name in PASSED:
+        if body.get(name) is not None:
+            params[name] = body[name]
+    if session is not None:
+        params["session"] = session
+    if "max_image_tokens" not in params and details and all(d == "low" for d in details):
+        params["max_image_tokens"] = low_detail_tokens
+    return ChatRequest(params, stream, include_usage, model, user, remote)
+
+
+def _stream_options(options: Any, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise bad("stream_options", "stream_options is only allowed with stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage",
+                                                         "include_obfuscation"}:
+        raise bad("stream_options", "stream_options may hold include_usage only")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad("stream_options.include_usage", "include_usage must be true or false")
+    return include
+
+
+def _max_tokens(body: dict[str, Any]) -> Any:
+    old, new = body.get("max_tokens"), body.get("max_completion_tokens")
+    if old is not None and new is not None and old != new:
+        raise bad("max_completion_tokens",
+                  "max_tokens and max_completion_tokens disagree; send one of them")
+    return new if new is not None else old
+
+
+def _messages(messages: Any) -> tuple[list[dict[str, Any]], list[RemoteImage], list[str]]:
+    """Messages in protocol v1's shape, the remote images to fetch, each image's detail."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty list")
+    out: list[dict[str, Any]] = []
+    remote: list[RemoteImage] = []
+    details: list[str] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad(where, f"{where} must be an object")
+        extra = sorted(map(str, set(message) - MESSAGE_KEYS))
+        if extra:
+            raise bad(f"{where}.{extra[0]}", f"{where}.{extra[0]} is not supported "
+                      f"(a message has {', '.join(sorted(MESSAGE_KEYS))})")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise bad(f"{where}.role", f"{where}.role must be one of {sorted(ROLES)}")
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, str):
+            out.append({"role": ROLES[role], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad(f"{where}.content", f"{where}.content must be a string or a list "
+                      "of parts")
+        parts = [_part(part, f"{where}.content[{j}]", remote, details)
+                 for j, part in enumerate(content)]
+        out.append({"role": ROLES[role], "content": parts})
+    return out, remote, details
+
+
+def _part(part: Any, where: str, remote: list[RemoteImage],
+          details: list[str]) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad(f"{where}.text", f"{where}.text must be a string")
+        return {"type": "text", "text": text}
+    if kind != "image_url":
+        raise bad(f"{where}.type", f"{where} must be {{type: text}} or {{type: image_url}}")
+    image = part.get("image_url")
+    if isinstance(image, str):  # some clients send the URL itself
+        image = {"url": image}
+    url = image.get("url") if isinstance(image, dict) else None
+    if not isinstance(url, str):
+        raise bad(f"{where}.image_url.url", f"{where}.image_url.url must be a string")
+    detail = image.get("detail", "auto")
+    if detail not in ("auto", "low", "high"):
+        raise bad(f"{where}.image_url.detail", f"{where}.image_url.detail must be auto, "
+                  "low or high")
+    details.append(detail)
+    if url[:5].lower() == "data:":
+        return {"type": "image", "image": data_url_bytes(url, where)}
+    if url[:7].lower() == "http://" or url[:8].lower() == "https://":
+        placeholder: dict[str, Any] = {"type": "image", "image": None}
+        remote.append(RemoteImage(url, placeholder))
+        return placeholder
+    raise bad(f"{where}.image_url.url", f"{where}.image_url.url must be a data: URL "
+              "(or http(s) where the server fetches images)")
+
+
+def data_url_bytes(url: str, where: str = "image_url") -> bytes:
+    """The image in a ``data:image/...;base64,`` URL; PNG, JPEG, WebP or GIF only."""
+    match = DATA_URL.match(url)
+    if match is None:
+        raise ImageInvalid(f"{where}: a data URL must be data:image/<type>;base64,<data>")
+    try:
+        data = base64.b64decode(url[match.end():], validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageInvalid(f"{where}: the data URL is not valid base64") from None
+    if image_format(data) is None:
+        raise ImageInvalid(f"{where}: the image must be PNG, JPEG, WebP or GIF")
+    return data
+
+
+def image_format(data: bytes) -> str | None:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return next((name for name, magic in IMAGE_TYPES.items() if data.startswith(magic)),
+                None)
+
+
+# -- replies ----------------------------------------------------------------------------
+
+def completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def usage(result: dict[str, Any]) -> dict[str, Any]:
+    """protocol v1's usage, in OpenAI's names (image tokens count as prompt tokens)."""
+    u = result["usage"]
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"],
+                                      "image_tokens": u["image_tokens"]}}
+
+
+def _extras(result: dict[str, Any]) -> dict[str, Any]:
+    """What protocol v1 says besides: timings (as llama-server adds them), the session."""
+    out = {"timings": result["timings"]}
+    if "session" in result:
+        out["session"] = result["session"]
+    return out
+
+
+def completion(result: dict[str, Any], cid: str, created: int, model: str) -> dict[str, Any]:
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant",
+                                                 "content": result["text"]},
+                         "finish_reason": result["finish_reason"], "logprobs": None}],
+            "usage": usage(result), **_extras(result)}
+
+
+def chunk(cid: str, created: int, model: str, delta: dict[str, Any],
+          finish_reason: str | None = None) -> dict[str, Any]:
+    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                         "logprobs": None}]}
+
+
+def usage_chunk(result: dict[str, Any], cid: str, created: int, model: str
+                ) -> dict[str, Any]:
+    """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
+    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [], "usage": usage(result), **_extras(result)}
+
+
+def status_of(code: str) -> int:
+    return STATUS.get(code, 500)
+
+
+def error_body(exc: QvlError | None = None, *, code: str = "", message: str = "",
+               param: str | None = None) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI's error object) for a qvld error or an HTTP-level one."""
+    status = status_of(code)
+    if exc is not None:
+        code, message = exc.code, exc.message
+        param = getattr(exc, "param", None)
+        status = getattr(exc, "http_status", None) or status_of(code)
+    return status, {"error": {"message": message, "type": TYPES.get(status, "server_error"),
+                              "param": param, "code": code}}

@@ -1,0 +1,236 @@
+"""The hostile-input catalogue, on HTTP: every item gets a typed 4xx (or is cut off in
+bounded time), and the daemon goes on serving everyone after each."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import contextlib
+import json
+import os
+import resource
+import selectors
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.test_http import RECEIPT, HttpDaemon
+
+READ_TIMEOUT_S = 2
+MAX_CONNECTIONS = 64
+# The receipt cut off inside its pixel data.
+CORRUPT_URL = "data:image/png;base64," + base64.b64encode(RECEIPT.read_bytes()[:3000]).decode()
+HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    d = HttpDaemon(tmp_path_factory.mktemp("hostile"), args=[
+        "--set", f"http.read_timeout_s={READ_TIMEOUT_S}",
+        "--set", f"http.max_connections={MAX_CONNECTIONS}",
+        "--set", "http.max_body_bytes=1048576"]).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def still_serving(daemon: HttpDaemon) -> None:
+    status, _, body = daemon.request("POST", "/v1/chat/completions", json.dumps(HI).encode())
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+    assert daemon.proc is not None and daemon.proc.poll() is None
+
+
+def raw(daemon: HttpDaemon, data: bytes, timeout: float = 10) -> bytes:
+    """Send ``data`` as it is; everything the daemon answers until it closes."""
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=timeout) as conn:
+        conn.sendall(data)
+        out = b""
+        while chunk := conn.recv(65536):
+            out += chunk
+        return out
+
+
+def post(body: bytes, headers: str = "") -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n" + headers.encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+
+def status_of(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1])
+
+
+def error_of(reply: bytes) -> dict[str, str]:
+    return dict(json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"])
+
+
+@pytest.mark.parametrize("body, code", [
+    (b"{", "bad_request"), (b"[]", "bad_request"), (b"\xff\xfe{}", "bad_request"),
+    (b"[" * 100_000 + b"]" * 100_000, "bad_request"),
+    (json.dumps({**HI, "unknown_field": 1}).encode(), "bad_request"),
+    (json.dumps({**HI, "max_tokens": 10**12}).encode(), "bad_request"),
+    (json.dumps({**HI, "temperature": 1e400}).encode().replace(b"Infinity", b"1e400"),
+     "bad_request"),
+    (json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}]}]}
+     ).encode(), "bad_request"),
+    (json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": CORRUPT_URL}}]}]}
+     ).encode(), "image_invalid"),
+])
+def test_bad_bodies_get_typed_400s(daemon: HttpDaemon, body: bytes, code: str) -> None:
+    reply = raw(daemon, post(body))
+    assert status_of(reply) == 400, reply[:300]
+    assert error_of(reply)["code"] == code
+    still_serving(daemon)
+
+
+def test_an_announced_huge_body_gets_413_unread(daemon: HttpDaemon) -> None:
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Length: 104857600\r\n\r\n" + b"{" * 65536)
+        reply = conn.recv(65536)
+        assert status_of(reply) == 413 and error_of(reply)["code"] == "frame_too_large"
+        # The daemon does not read the other 100 MB: it closes the connection.
+        conn.settimeout(READ_TIMEOUT_S + 5)
+        with pytest.raises((ConnectionError, BrokenPipeError)):
+            for _ in range(2000):
+                conn.sendall(b"x" * 65536)
+    still_serving(daemon)
+
+
+def test_a_chunked_body_past_the_limit_gets_413(daemon: HttpDaemon) -> None:
+    chunk = b"x" * 65536
+    body = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(40)) + b"0\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        with contextlib.suppress(ConnectionError):  # closed as soon as the limit passed
+            conn.sendall(body)
+        reply = conn.recv(65536)
+    assert status_of(reply) == 413
+    still_serving(daemon)
+
+
+def test_slowloris_head_and_body_are_cut_off_in_bounded_time(daemon: HttpDaemon) -> None:
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as head, \
+            socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as body:
+        t0 = time.monotonic()
+        head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"messages\":")
+        assert head.recv(65536) == b""  # closed, nothing answered
+        assert time.monotonic() - t0 < READ_TIMEOUT_S + 3
+        reply = body.recv(65536)
+        assert status_of(reply) == 408, reply[:200]
+        assert time.monotonic() - t0 < READ_TIMEOUT_S + 3
+    still_serving(daemon)
+
+
+@pytest.mark.parametrize("value", ["a b", "../../etc/passwd", "x" * 129, "sé", "a;b"])
+def test_session_header_injection_is_refused(daemon: HttpDaemon, value: str) -> None:
+    reply = raw(daemon, post(json.dumps(HI).encode(),
+                             f"X-Qvld-Session: {value}\r\n".replace("é", "\\u00e9")))
+    assert status_of(reply) == 400 and error_of(reply)["param"] == "X-Qvld-Session"
+    still_serving(daemon)
+
+
+def test_crlf_in_a_header_never_becomes_a_header(daemon: HttpDaemon) -> None:
+    # A bare CR inside a header value: aiohttp's parser refuses the request.
+    reply = raw(daemon, post(json.dumps(HI).encode(), "X-Qvld-Session: a\rSet-Cookie: x\r\n"))
+    assert status_of(reply) == 400 and b"Set-Cookie" not in reply.split(b"\r\n\r\n")[0]
+    still_serving(daemon)
+
+
+def test_methods_and_paths_get_405_and_404_in_openais_shape(daemon: HttpDaemon) -> None:
+    status, headers, body = daemon.request("GET", "/v1/chat/completions")
+    assert status == 405 and body["error"]["code"] == "method_not_allowed"
+    assert "POST" in headers.get("Allow", "")
+    status, _, body = daemon.request("GET", "/v1/completions")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+
+
+def non_loopback_address() -> str | None:
+    out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=False)
+    return next((a for a in out.stdout.split() if "." in a and not a.startswith("127.")),
+                None)
+
+
+def test_without_keys_only_loopback_clients_are_served(tmp_path: Path) -> None:
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
+    d = HttpDaemon(tmp_path, args=["--set", "http.listen=0.0.0.0:0"])
+    d.argv[d.argv.index("http.listen=0.0.0.0:0")] = f"http.listen=0.0.0.0:{d.port}"
+    d.start()
+    try:
+        with socket.create_connection((address, d.port), timeout=10,
+                                      source_address=(address, 0)) as conn:
+            conn.sendall(post(json.dumps(HI).encode()))
+            reply = conn.recv(65536)
+        assert status_of(reply) == 403 and error_of(reply)["code"] == "forbidden"
+        assert "loopback clients only" in error_of(reply)["message"]
+        still_serving(d)  # on 127.0.0.1
+        assert "only loopback clients are served" in d.log()
+    finally:
+        d.stop()
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.slow
+def test_ten_thousand_connections(daemon: HttpDaemon) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 12000), hard))
+    if min(hard, 12000) < 10_500:
+        pytest.fail(f"the open-file limit ({hard}) is below what this test needs")
+    assert daemon.proc is not None
+    fds_before = open_fds(daemon.proc.pid)
+    conns: list[socket.socket] = []
+    try:
+        selector = selectors.DefaultSelector()
+        for _ in range(10_000):
+            conn = socket.socket()
+            conn.setblocking(False)
+            conn.connect_ex(("127.0.0.1", daemon.port))
+            conns.append(conn)
+            selector.register(conn, selectors.EVENT_READ)
+        # Past the limit, connections are answered 429 and closed at once, unread.
+        replies: collections.Counter[str] = collections.Counter()
+        deadline = time.monotonic() + 120
+        while replies.total() < 10_000 and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=1):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    data = sock.recv(4096)
+                except OSError as exc:
+                    data = type(exc).__name__.encode()
+                replies[data[:12].decode(errors="replace")] += 1
+                selector.unregister(sock)
+        # Each was answered 429 at once, or held (up to the limit) until the idle timer
+        # closed it (the empty reply); none was reset or left hanging.
+        assert set(replies) <= {"HTTP/1.1 429", ""} and replies.total() == 10_000, replies
+        assert replies["HTTP/1.1 429"] >= 9_000, replies
+        # The daemon holds no more than its limit; the socket side serves meanwhile.
+        pid = daemon.proc.pid
+        wait_for(lambda: open_fds(pid) <= fds_before + MAX_CONNECTIONS + 16, 30,
+                 "the daemon to hold at most http.max_connections connections",
+                 detail=lambda: f"{open_fds(pid)} descriptors open")
+        with daemon.client() as client:
+            assert client.health()["ready"]
+    finally:
+        for conn in conns:
+            conn.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    wait_for(lambda: open_fds(daemon.proc.pid) <= fds_before + 2, 30,  # type: ignore[union-attr]
+             "the daemon to close the connections")
+    still_serving(daemon)
