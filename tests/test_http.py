@@ -274,7 +274,10 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HttpDaemon
     keys_file = workdir / "keys"
     keys_file.write_text(f"# test keys\nalice:{hash_key(key)}\n")
     keys_file.chmod(0o600)
-    d = HttpDaemon(workdir, args=["--set", f"http.api_keys_file={keys_file}"]).start()
+    # One generation at a time and no queue: a second request at once is busy (429).
+    d = HttpDaemon(workdir, args=["--set", f"http.api_keys_file={keys_file}",
+                                  "--set", "engine.infer_requests=1",
+                                  "--set", "server.queue_max=0"]).start()
     try:
         yield d, key
     finally:
@@ -298,6 +301,24 @@ def test_api_keys_name_users_and_wrong_keys_get_401(keyed: tuple[HttpDaemon, str
     assert daemon.request("GET", "/health")[0] == 200
 
 
+def test_busy_is_429_with_retry_after(keyed: tuple[HttpDaemon, str]) -> None:
+    daemon, key = keyed
+    client = daemon.openai(key)
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Go on"}],  # type: ignore[arg-type]
+        max_tokens=500, stream=True, extra_body={"ignore_eos": True})
+    try:
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError) as busy:
+            client.chat.completions.create(model="tiny", messages=[  # type: ignore[arg-type]
+                {"role": "user", "content": "Hi"}], max_tokens=2)
+        assert busy.value.code == "busy"
+        assert busy.value.response.headers["Retry-After"] == "1"
+    finally:
+        stream.close()
+    daemon.wait_queue(0, 0)
+
+
 def test_a_sighup_reloads_the_keys(keyed: tuple[HttpDaemon, str]) -> None:
     daemon, key = keyed
     keys_file = Path(daemon.workdir) / "keys"
@@ -318,3 +339,77 @@ def test_a_sighup_reloads_the_keys(keyed: tuple[HttpDaemon, str]) -> None:
     wait_for(lambda: "reload failed" in daemon.log(), 60, "the failed reload",
              detail=daemon.log)
     assert daemon.openai(bob).models.list().data[0].id == "tiny"
+
+
+class ImageServer:
+    """A plain HTTP server with the receipt, for the fetcher to fetch from."""
+
+    def __init__(self, directory: Path) -> None:
+        import functools
+        import http.server
+        import threading
+
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler,
+                                    directory=str(directory))
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_health_while_loading_then_image_urls_when_allowed(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "receipt.png").write_bytes(RECEIPT.read_bytes())
+    (site / "notes.txt").write_text("not an image")
+    images = ImageServer(site)
+    (tmp_path / "daemon").mkdir()
+    d = HttpDaemon(tmp_path / "daemon", args=[
+        "--set", "http.fetch_image_urls=true", "--set", "http.fetch_allow_hosts=[127.0.0.1]",
+        "--set", "http.fetch_allow_private=[127.0.0.1]"])
+    d.start(wait_ready=False)
+    try:
+        seen: list[tuple[int, Any]] = []
+
+        def health() -> bool:
+            try:
+                status, _, body = d.request("GET", "/health")
+            except OSError:
+                return False  # not listening yet
+            seen.append((status, body))
+            return status == 200
+
+        wait_for(health, 60, "the daemon to become ready", detail=d.log)
+        # The listener answers before the model is loaded: a probe reads "not yet".
+        assert seen[0] == (503, {"status": "loading", "ready": False}), seen[:3]
+        assert seen[-1] == (200, {"status": "ready", "ready": True})
+        client = d.openai()
+        base = f"http://127.0.0.1:{images.port}"
+        fetched = client.chat.completions.create(
+            model="tiny", messages=image_messages(f"{base}/receipt.png"), max_tokens=4,  # type: ignore[arg-type]
+            temperature=0)
+        inline = client.chat.completions.create(
+            model="tiny", messages=image_messages(), max_tokens=4, temperature=0)  # type: ignore[arg-type]
+        assert fetched.choices[0].message.content == inline.choices[0].message.content
+        assert fetched.usage is not None and inline.usage is not None
+        assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
+        with pytest.raises(openai.PermissionDeniedError) as other_host:
+            client.chat.completions.create(
+                model="tiny", messages=image_messages(  # type: ignore[arg-type]
+                    f"http://localhost:{images.port}/receipt.png"))
+        assert "fetch_allow_hosts" in other_host.value.message
+        with pytest.raises(openai.BadRequestError) as text:
+            client.chat.completions.create(
+                model="tiny", messages=image_messages(f"{base}/notes.txt"))  # type: ignore[arg-type]
+        assert text.value.code == "image_invalid"
+        with pytest.raises(openai.BadRequestError) as missing:
+            client.chat.completions.create(
+                model="tiny", messages=image_messages(f"{base}/nothing.png"))  # type: ignore[arg-type]
+        assert missing.value.code == "image_invalid" and "404" in missing.value.message
+    finally:
+        d.stop()
+        images.close()

@@ -33,7 +33,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
     d = HttpDaemon(tmp_path_factory.mktemp("hostile"), args=[
         "--set", f"http.read_timeout_s={READ_TIMEOUT_S}",
         "--set", f"http.max_connections={MAX_CONNECTIONS}",
-        "--set", "http.max_body_bytes=1048576"]).start()
+        "--set", "http.max_body_bytes=1048576", "--set", "http.max_unsent_events=16",
+        "--set", "server.send_buffer_bytes=4096"]).start()
     try:
         yield d
     finally:
@@ -145,6 +146,26 @@ def test_crlf_in_a_header_never_becomes_a_header(daemon: HttpDaemon) -> None:
     # A bare CR inside a header value: aiohttp's parser refuses the request.
     reply = raw(daemon, post(json.dumps(HI).encode(), "X-Qvld-Session: a\rSet-Cookie: x\r\n"))
     assert status_of(reply) == 400 and b"Set-Cookie" not in reply.split(b"\r\n\r\n")[0]
+    still_serving(daemon)
+
+
+def test_a_client_that_stops_reading_its_stream_is_cut_off(daemon: HttpDaemon) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "Go on"}], "stream": True,
+                       "max_tokens": 500, "ignore_eos": True}).encode()
+    cut_before = daemon.log().count("is not reading its stream")
+    conn = socket.socket()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few events
+    try:
+        conn.connect(("127.0.0.1", daemon.port))
+        conn.sendall(post(body))  # and never reads
+        wait_for(lambda: daemon.log().count("is not reading its stream") > cut_before
+                 and "outcome=cancelled" in daemon.log().split("is not reading")[-1], 60,
+                 "the daemon to cut the stalled reader off", detail=daemon.log)
+    finally:
+        conn.close()
+    line = daemon.log().split("is not reading its stream")[-1]
+    generated = int(line.split(" generated=")[1].split()[0])
+    assert generated < 500, line
     still_serving(daemon)
 
 

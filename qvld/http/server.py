@@ -161,6 +161,7 @@ class HttpFront:
                  dispatch: Callable[[RequestContext], Awaitable[Any]], metrics: Metrics,
                  keys: ApiKeys | None, on_reply: OnReply | None = None) -> None:
         self.config = config.http
+        self.send_buffer_bytes = config.server.send_buffer_bytes
         self.serve_metrics = not config.metrics.listen
         self.state = state
         self.dispatch = dispatch
@@ -185,6 +186,7 @@ class HttpFront:
         """A reload: new limits, keys and fetch policy; the listener itself stays."""
         old_fetcher = self.fetcher
         self.config = config.http
+        self.send_buffer_bytes = config.server.send_buffer_bytes
         self.keys = keys
         self.fetcher = self._fetcher(config.http)
         if old_fetcher is not None:
@@ -418,15 +420,16 @@ class HttpFront:
                                       "shutting down); retry")
                 response = web.json_response(openai.completion(result, cid, created, model))
         except asyncio.CancelledError:
-            ctx.cancel()  # the client left: its generation ends at the next step
-            self._spawn(_reap(task))
+            await _settle(ctx, task, fields)  # the client left
             raise
-        except (asyncio.TimeoutError, ConnectionError):
+        except (asyncio.TimeoutError, ConnectionError) as exc:
             # A stream the client stopped reading (or reset): end it and its generation.
-            ctx.cancel()
-            self._spawn(_reap(task))
+            if isinstance(exc, asyncio.TimeoutError):
+                log.warning("HTTP client is not reading its stream (a write waited %g s); "
+                            "cutting it off", self.config.read_timeout_s)
             if request.transport is not None:
                 request.transport.abort()
+            await _settle(ctx, task, fields)
             return web.Response(status=499), "cancelled"
         fields.update(ctx.log_fields)
         return response, ctx.outcome or "ok"
@@ -445,6 +448,14 @@ class HttpFront:
         before it (a bad image, a prompt too long) is still a plain HTTP error."""
         response: web.StreamResponse | None = None
         timeout = self.config.read_timeout_s
+        if request.transport is not None:
+            # What a stream may leave in the kernel and in the transport, as on the Unix
+            # socket (server.send_buffer_bytes); past it writes wait, events queue up to
+            # http.max_unsent_events, and then the client is cut off.
+            with contextlib.suppress(OSError, AttributeError):
+                request.transport.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+            request.transport.set_write_buffer_limits(high=self.send_buffer_bytes)
 
         async def send(*events: dict[str, Any] | str) -> None:
             nonlocal response
@@ -563,10 +574,14 @@ class _Stalled(QvlError):
     http_status = 408
 
 
-async def _reap(task: asyncio.Future[Any]) -> None:
-    """Wait out a generation whose client left (its cancelled result goes nowhere)."""
+async def _settle(ctx: RequestContext, task: asyncio.Future[Any],
+                  fields: dict[str, Any]) -> None:
+    """Cancel a generation whose client is gone and wait for it to stop (at its next
+    step), so that its log line says what it generated."""
+    ctx.cancel()
     with contextlib.suppress(Exception, asyncio.CancelledError):
-        await task
+        await asyncio.wait_for(asyncio.shield(task), 30)
+    fields.update(ctx.log_fields)
 
 
 def _error_response(status: int, body: dict[str, Any],
