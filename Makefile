@@ -9,7 +9,7 @@ PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
 .PHONY: run test test-slow test-reference lint check-packaging install uninstall deb bench bench-llamacpp \
-	bench-concurrency \
+	bench-concurrency bench-http bench-int8 \
 	fixtures clean
 
 $(BASE): pyproject.toml
@@ -70,13 +70,16 @@ uninstall:
 # BENCHMARKS.md records. llama.cpp rows need `make bench-llamacpp` first (optional).
 BENCH_MODELS ?= $(HOME)/.cache/qvld-bench
 BENCH_HF := $(BENCH_MODELS)/qwen3-vl-2b-hf
-bench: $(CONVERT)
-	$(BIN)/pip install -q 'openvino-genai==2026.4.1.0' 'openvino-tokenizers==2026.4.1.0'
+# The full-size random checkpoint and its int8 export as optimum-cli writes it.
+bench-int8: $(CONVERT)
 	test -d $(BENCH_HF) || $(BIN)/python tools/make_test_model.py qwen3-vl-2b $(BENCH_HF) --hf-only
 	test -d $(BENCH_MODELS)/qwen3-vl-2b-int8 || { $(BIN)/optimum-cli export openvino \
 	  --model $(BENCH_HF) --task image-text-to-text --weight-format int8 \
 	  --disable-convert-tokenizer $(BENCH_MODELS)/qwen3-vl-2b-int8 && \
 	  cp $(BENCH_HF)/chat_template.jinja $(BENCH_MODELS)/qwen3-vl-2b-int8/; }
+
+bench: bench-int8
+	$(BIN)/pip install -q 'openvino-genai==2026.4.1.0' 'openvino-tokenizers==2026.4.1.0'
 	test -d $(BENCH_MODELS)/qwen3-vl-2b-int8-sym || $(BIN)/qvlctl model convert $(BENCH_HF) \
 	  $(BENCH_MODELS)/qwen3-vl-2b-int8-sym --weights int8
 	test -d $(BENCH_MODELS)/qwen3-vl-2b-int4-sym || $(BIN)/qvlctl model convert $(BENCH_HF) \
@@ -92,15 +95,15 @@ bench: $(CONVERT)
 # Concurrent clients (1, 2, 4, 8): qvld with and without continuous batching against
 # llama-server --parallel N, on the int8 export and the Q8_0 GGUF (`make bench-llamacpp`
 # first for the llama-server rows); the table BENCHMARKS.md records (about an hour here).
-bench-concurrency: $(CONVERT)
-	test -d $(BENCH_HF) || $(BIN)/python tools/make_test_model.py qwen3-vl-2b $(BENCH_HF) --hf-only
-	test -d $(BENCH_MODELS)/qwen3-vl-2b-int8 || { $(BIN)/optimum-cli export openvino \
-	  --model $(BENCH_HF) --task image-text-to-text --weight-format int8 \
-	  --disable-convert-tokenizer $(BENCH_MODELS)/qwen3-vl-2b-int8 && \
-	  cp $(BENCH_HF)/chat_template.jinja $(BENCH_MODELS)/qwen3-vl-2b-int8/; }
+bench-concurrency: bench-int8
 	$(BIN)/python bench/concurrency.py $(BENCH_MODELS) \
 	  $$(test -x $(BENCH_MODELS)/llama.cpp/build/bin/llama-server || echo --systems qvld,qvld-alone) \
 	  --json $(BENCH_MODELS)/concurrency.json
+
+# What the HTTP front door adds to TTFT and decode against the socket, same daemon.
+bench-http: bench-int8
+	$(BIN)/python bench/http_overhead.py $(BENCH_MODELS)/qwen3-vl-2b-int8 \
+	  --json $(BENCH_MODELS)/http_overhead.json
 
 # llama.cpp from the copy vendored in llama-cpp-python's sdist, and GGUF conversions
 # (bf16, Q8_0, Q4_K_M, mmproj f16) of the same checkpoint, for `make bench`.
