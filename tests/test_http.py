@@ -413,3 +413,24 @@ def test_health_while_loading_then_image_urls_when_allowed(tmp_path: Path) -> No
     finally:
         d.stop()
         images.close()
+
+
+def test_a_drain_ends_a_stream_with_an_error_event(tmp_path: Path) -> None:
+    """SIGTERM with no time to finish: a running stream is told why it ended (the openai
+    client raises), instead of a cut-off that looks like a finished answer."""
+    import signal
+
+    d = HttpDaemon(tmp_path, args=["--set", "server.drain_timeout_s=0"]).start()
+    try:
+        stream = d.openai().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Go on"}],  # type: ignore[arg-type]
+            max_tokens=500, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in chunks:
+                pass
+    finally:
+        assert d.stop() == 0

@@ -226,7 +226,8 @@ def test_ten_thousand_connections(daemon: HttpDaemon) -> None:
             selector.register(conn, selectors.EVENT_READ)
         # Past the limit, connections are answered 429 and closed at once, unread.
         replies: collections.Counter[str] = collections.Counter()
-        deadline = time.monotonic() + 120
+        t0 = time.monotonic()
+        deadline = t0 + 120
         while replies.total() < 10_000 and time.monotonic() < deadline:
             for key, _ in selector.select(timeout=1):
                 sock = key.fileobj
@@ -237,10 +238,13 @@ def test_ten_thousand_connections(daemon: HttpDaemon) -> None:
                     data = type(exc).__name__.encode()
                 replies[data[:12].decode(errors="replace")] += 1
                 selector.unregister(sock)
-        # Each was answered 429 at once, or held (up to the limit) until the idle timer
-        # closed it (the empty reply); none was reset or left hanging.
+        elapsed = time.monotonic() - t0
+        # Each was answered 429 at once, or held (a slot of the limit) until the idle
+        # timer closed it (the empty reply); none was reset or left hanging. A slot holds
+        # one idle connection per read timeout, so at most this many were held:
+        held = MAX_CONNECTIONS * (elapsed / READ_TIMEOUT_S + 1)
         assert set(replies) <= {"HTTP/1.1 429", ""} and replies.total() == 10_000, replies
-        assert replies["HTTP/1.1 429"] >= 9_000, replies
+        assert replies[""] <= held, (replies, elapsed)
         # The daemon holds no more than its limit; the socket side serves meanwhile.
         pid = daemon.proc.pid
         wait_for(lambda: open_fds(pid) <= fds_before + MAX_CONNECTIONS + 16, 30,

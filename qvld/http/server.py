@@ -111,13 +111,13 @@ def _is_loopback(peername: Any) -> bool:
 class _Exchange:
     """One HTTP request's channel: token events from worker threads to its handler."""
 
-    def __init__(self, limit: int, overflow: Callable[[], None]) -> None:
+    def __init__(self, limit: int) -> None:
         self.loop = asyncio.get_running_loop()
         self.in_flight: dict[int, RequestContext] = {}
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.limit = limit
         self.overflowed = False
-        self._overflow = overflow
+        self.on_overflow: Callable[[], None] = lambda: None
 
     def send_threadsafe(self, message: dict[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self._put, message)
@@ -128,7 +128,7 @@ class _Exchange:
         if self.events.qsize() >= self.limit:
             # The client does not read its stream: cut it off, never buffer without end.
             self.overflowed = True
-            self._overflow()
+            self.on_overflow()
             return
         self.events.put_nowait(message)
 
@@ -401,12 +401,10 @@ class HttpFront:
         cid, created = openai.completion_id(), int(time.time())
         model = self._model_name()
         rid = next(self._ids)
-        ctx_box: list[RequestContext] = []
-        exchange = _Exchange(self.config.max_unsent_events,
-                             lambda: self._cut_off(request, ctx_box))
+        exchange = _Exchange(self.config.max_unsent_events)
         ctx = RequestContext(request=protocol.Request(rid, "generate", chat.params),
                              peer=peer, connection=exchange)
-        ctx_box.append(ctx)
+        exchange.on_overflow = lambda: self._cut_off(request, ctx)
         exchange.in_flight[rid] = ctx
         task = asyncio.ensure_future(self.dispatch(ctx))
         try:
@@ -434,10 +432,9 @@ class HttpFront:
         fields.update(ctx.log_fields)
         return response, ctx.outcome or "ok"
 
-    def _cut_off(self, request: web.Request, ctx_box: list[RequestContext]) -> None:
+    def _cut_off(self, request: web.Request, ctx: RequestContext) -> None:
         log.warning("HTTP client is not reading its stream; cutting it off")
-        for ctx in ctx_box:
-            ctx.cancel()
+        ctx.cancel()
         if request.transport is not None:
             request.transport.abort()
 
@@ -492,9 +489,14 @@ class HttpFront:
             await send(*pending, openai.error_body(exc)[1])
             await response.write_eof()
             return response
-        if result["finish_reason"] == "cancelled" and response is None:
-            raise Unavailable("the daemon stopped this generation (it is shutting down); "
-                              "retry")
+        if result["finish_reason"] == "cancelled":  # by a drain: the client is still here
+            stopped = Unavailable("the daemon stopped this generation (it is shutting "
+                                  "down); retry")
+            if response is None:
+                raise stopped
+            await send(*pending, openai.error_body(stopped)[1])
+            await response.write_eof()
+            return response
         tail: list[dict[str, Any] | str] = [*pending, openai.chunk(
             *ident, {}, result["finish_reason"])]
         if chat.include_usage:
