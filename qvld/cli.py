@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import faulthandler
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -127,7 +124,14 @@ def preflight(config: Config, as_json: bool, textfile: Path | None) -> int:
 
 def api_key(name: str, keys_file: Path | None) -> int:
     """Print a new key; record its hash in ``keys_file``, or say what line to add."""
-    from qvld.http.keys import ApiKeys, KeyFileError, hash_key, new_key, valid_name
+    from qvld.http.keys import (
+        ApiKeys,
+        KeyFileError,
+        append_line,
+        hash_key,
+        new_key,
+        valid_name,
+    )
 
     if not valid_name(name):
         print(f"qvld: api-key: user name {name!r} is not 1-64 characters of [A-Za-z0-9._@-]",
@@ -146,7 +150,7 @@ def api_key(name: str, keys_file: Path | None) -> int:
             print(f"qvld: api-key: {name} already has a key in {keys_file}; remove "
                   "that line first to replace it", file=sys.stderr)
             return EXIT_USAGE
-        _append_line(keys_file, line, exists)
+        append_line(keys_file, line, exists)
     except KeyFileError as exc:
         for error in exc.errors:
             print(f"qvld: api-key: {error}", file=sys.stderr)
@@ -159,41 +163,6 @@ def api_key(name: str, keys_file: Path | None) -> int:
     print(f"added {name} to {keys_file}; reload the daemon: systemctl reload qvld",
           file=sys.stderr)
     return EXIT_OK
-
-
-def _append_line(path: Path, line: str, exists: bool) -> None:
-    """Append ``line`` atomically: the daemon may re-read the file at any moment, and a
-    crash must leave either the old file or the new one, never a torn one."""
-    if exists:
-        text = path.read_bytes()
-        info = path.stat()
-        mode, owner = info.st_mode & 0o7777, (info.st_uid, info.st_gid)
-    else:
-        text, mode, owner = b"", 0o640, None  # the daemon's group may read it; others not
-    if text and not text.endswith(b"\n"):
-        text += b"\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            # Keep the owner and the group the daemon reads it through when root edits
-            # the file (chown first: it may clear mode bits).
-            made = os.fstat(file.fileno())
-            if owner is not None and owner != (made.st_uid, made.st_gid):
-                os.fchown(file.fileno(), *owner)
-            os.fchmod(file.fileno(), mode)  # mkstemp makes 0600, and umask must not apply
-            file.write(text + line.encode() + b"\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

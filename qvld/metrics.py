@@ -37,10 +37,10 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.
 # The HTTP front adds its own: a missing or wrong key, a path or method it does not serve.
 OUTCOMES = ("ok", "cancelled", *ERRORS_BY_CODE, "invalid_api_key", "not_found",
             "method_not_allowed")
-# Generations per batched step, and prompt rows fed per step.
 APIS = ("socket", "http")
 # What the HTTP front calls its routes in metrics (the chat completions are "generate").
 HTTP_OPS = frozenset({"generate", "health", "models", "metrics"})
+# Generations per batched step, and prompt rows fed per step.
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PREFILL_ROW_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -155,8 +155,8 @@ class Metrics:
     def observe_request(self, op: object, outcome: str, seconds: float,
                         api: str = "socket") -> None:
         api = api if api in APIS else "socket"
-        label = op if api == "http" and op in HTTP_OPS else protocol.op_label(op)
-        assert isinstance(label, str)
+        label = op if api == "http" and isinstance(op, str) and op in HTTP_OPS \
+            else protocol.op_label(op)
         self.requests.labels(api, label, outcome_label(outcome)).inc()
         self.request_duration.labels(api, label).observe(seconds)
 

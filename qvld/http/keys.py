@@ -18,12 +18,14 @@ backups, so it holds only hashes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
 import secrets
 import stat
+import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -217,3 +219,38 @@ class UserIds:
     @staticmethod
     def is_http(user_id: int) -> bool:
         return user_id >= HTTP_USER_ID_BASE
+
+
+def append_line(path: Path, line: str, exists: bool) -> None:
+    """Append ``line`` atomically: the daemon may re-read the file at any moment, and a
+    crash must leave either the old file or the new one, never a torn one."""
+    if exists:
+        text = path.read_bytes()
+        info = path.stat()
+        mode, owner = info.st_mode & 0o7777, (info.st_uid, info.st_gid)
+    else:
+        text, mode, owner = b"", 0o640, None  # the daemon's group may read it; others not
+    if text and not text.endswith(b"\n"):
+        text += b"\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            # Keep the owner and the group the daemon reads it through when root edits
+            # the file (chown first: it may clear mode bits).
+            made = os.fstat(file.fileno())
+            if owner is not None and owner != (made.st_uid, made.st_gid):
+                os.fchown(file.fileno(), *owner)
+            os.fchmod(file.fileno(), mode)  # mkstemp makes 0600, and umask must not apply
+            file.write(text + line.encode() + b"\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
