@@ -133,18 +133,34 @@ class _Exchange:
         self.events.put_nowait(message)
 
 
-class _Refuse(asyncio.Protocol):
-    """A connection past http.max_connections: answered 503 at once, never read."""
+def _refuse(conn: socket.socket) -> None:
+    """A connection past http.max_connections: answered 429 at once, never read."""
+    _, body = openai.error_body(Busy("too many connections; retry later"))
+    payload = json.dumps(body).encode()
+    head = ("HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+            f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(payload)}"
+            "\r\n\r\n")
+    with contextlib.suppress(OSError):  # a fresh socket's buffer takes these bytes at once
+        conn.setblocking(False)
+        conn.send(head.encode() + payload)
+    conn.close()
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        _, body = openai.error_body(Busy("too many connections; retry later"))
-        payload = json.dumps(body).encode()
-        head = ("HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
-                f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(payload)}"
-                "\r\n\r\n")
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(head.encode() + payload)
-        transport.close()
+
+def _listener(listen: str) -> socket.socket:
+    """The listening socket for http.listen (HOST:PORT, [IPv6]:PORT, :PORT)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    family, _, _, _, address = socket.getaddrinfo(
+        host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _WireLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -172,7 +188,8 @@ class HttpFront:
         self.fetcher = self._fetcher(config.http)
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
 
     @staticmethod
@@ -208,33 +225,44 @@ class HttpFront:
             keepalive_timeout=self.config.read_timeout_s, max_field_size=8190,
             max_headers=64, lingering_time=0, logger=_WireLog(log, {}))
         await self._runner.setup()
-        loop = asyncio.get_running_loop()
-        if sock is not None:
-            sock.setblocking(False)
-            self._server = await loop.create_server(self._protocol, sock=sock,
-                                                    backlog=socket.SOMAXCONN)
-        else:
+        if sock is None:
             assert self.config.listen is not None
-            host, _, port = self.config.listen.rpartition(":")
-            self._server = await loop.create_server(
-                self._protocol, host.strip("[]") or None, int(port), reuse_address=True,
-                backlog=socket.SOMAXCONN)
+            sock = _listener(self.config.listen)
+        sock.setblocking(False)
+        self._listener = sock
+        self._accepting = asyncio.create_task(self._accept(sock))
         if self.keys is None:
             log.warning("HTTP API on %s: no http.api_keys_file, so only loopback clients "
                         "are served, all as the user %r", self.address, LOCAL_USER)
         else:
             log.info("HTTP API on %s (%d API keys)", self.address, len(self.keys))
 
-    def _protocol(self) -> asyncio.BaseProtocol:
+    async def _accept(self, listener: socket.socket) -> None:
+        """Accept one connection at a time, so that the count of connections is exact
+        when the next one is judged (asyncio's own server accepts a whole backlog before
+        any of them is counted); past http.max_connections, answer 429 and close."""
+        loop = asyncio.get_running_loop()
         assert self._runner is not None and self._runner.server is not None
-        if len(self._runner.server.connections) >= self.config.max_connections:
-            return _Refuse()
-        return self._runner.server()
+        server = self._runner.server
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # e.g. out of descriptors: let some close first
+                log.warning("HTTP: cannot accept a connection: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if len(server.connections) >= self.config.max_connections:
+                _refuse(conn)
+                continue
+            try:
+                await loop.connect_accepted_socket(server, conn)
+            except OSError:
+                conn.close()
 
     @property
     def address(self) -> str:
-        assert self._server is not None
-        name = self._server.sockets[0].getsockname()
+        assert self._listener is not None
+        name = self._listener.getsockname()
         if isinstance(name, tuple):
             host = f"[{name[0]}]" if ":" in name[0] else name[0]
             return f"http://{host}:{name[1]}"
@@ -242,13 +270,18 @@ class HttpFront:
 
     @property
     def port(self) -> int:
-        assert self._server is not None
-        return int(self._server.sockets[0].getsockname()[1])
+        assert self._listener is not None
+        return int(self._listener.getsockname()[1])
 
     async def stop_accepting(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     async def close(self) -> None:
         await self.stop_accepting()
