@@ -8,7 +8,7 @@ import http.client
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ def image_messages(url: str = DATA_URL, detail: str = "auto") -> list[dict[str, 
 
 
 class HttpDaemon(Daemon):
-    def __init__(self, workdir: Path, args: list[str] = (), **kwargs: Any) -> None:  # type: ignore[assignment]
+    def __init__(self, workdir: Path, args: Sequence[str] = (), **kwargs: Any) -> None:
         self.port = free_port()
         super().__init__(workdir, args=["--set", f"http.listen=127.0.0.1:{self.port}",
                                         *args], **kwargs)

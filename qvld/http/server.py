@@ -48,7 +48,7 @@ from qvld.errors import (
 )
 from qvld.handlers import DaemonState
 from qvld.http import openai
-from qvld.http.fetch import ImageFetcher
+from qvld.http.fetch import ImageFetcher, normalize_host_pattern
 from qvld.http.keys import ApiKeys, KeyFileError, UserIds, parse_bearer
 from qvld.metrics import Metrics
 from qvld.server import Peer, RequestContext
@@ -87,10 +87,11 @@ def load_http(config: HttpConfig) -> ApiKeys | None:
         except KeyFileError as exc:
             errors += [f"http.api_keys_file: {line}" for line in exc.errors]
     if config.fetch_image_urls:
-        try:
-            ImageFetcher(config.fetch_allow_hosts, config.fetch_allow_private)
-        except ValueError as exc:
-            errors.append(f"http.fetch_allow_hosts/fetch_allow_private: {exc}")
+        for pattern in (*config.fetch_allow_hosts, *config.fetch_allow_private):
+            try:
+                normalize_host_pattern(pattern)
+            except ValueError as exc:
+                errors.append(f"http.fetch_allow_hosts/fetch_allow_private: {exc}")
     if errors:
         raise HttpSetupError(errors)
     return keys
@@ -106,6 +107,9 @@ def _is_loopback(peername: Any) -> bool:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return address.is_loopback
+
+
+_END: dict[str, Any] = {}  # closes an exchange's queue of events
 
 
 class _Exchange:
@@ -191,6 +195,7 @@ class HttpFront:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
+        self._ops: dict[Callable[[web.Request], Awaitable[web.StreamResponse]], str] = {}
 
     @staticmethod
     def _fetcher(config: HttpConfig) -> ImageFetcher | None:
@@ -213,6 +218,9 @@ class HttpFront:
 
     async def start(self, sock: socket.socket | None = None) -> None:
         """Serve on ``sock`` (from systemd) or on http.listen."""
+        # What metrics and logs call each route (the chat completions are "generate").
+        self._ops = {self.chat_completions: "generate", self.models: "models",
+                     self.health: "health", self.metrics_text: "metrics"}
         app = web.Application(middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -305,18 +313,41 @@ class HttpFront:
     async def _errors(self, request: web.Request,
                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                       ) -> web.StreamResponse:
-        """Every failure in OpenAI's error shape, accounted once."""
+        """Every request accounted once (its op, user, outcome and log fields, which the
+        handler leaves on the request), every failure in OpenAI's error shape."""
         t0 = time.monotonic()
+        op = self._ops.get(handler, "unknown")
+        request["fields"] = {}
+        outcome = "ok"
         try:
-            return await handler(request)
+            response = await handler(request)
+            outcome = request.get("outcome", "ok")
+            return response
         except web.HTTPException as exc:  # the router's 404 and 405
-            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "bad_request")
+            outcome = {404: "not_found", 405: "method_not_allowed"}.get(exc.status,
+                                                                        "bad_request")
             message = f"{request.method} {request.path} is not served here" \
                 if exc.status in (404, 405) else exc.reason
-            self._account(request, "unknown", code, t0, None)
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-            return _error_response(*openai.error_body(code=code, message=message),
+            return _error_response(*openai.error_body(code=outcome, message=message),
                                    headers=allow)
+        except QvlError as exc:
+            outcome = exc.code
+            response = _error_response(*openai.error_body(exc))
+            if isinstance(exc, (_TooLarge, _Stalled)):
+                response.force_close()  # the rest of the body is not read
+            return response
+        except asyncio.CancelledError:
+            outcome = "cancelled"  # the client left
+            raise
+        except Exception:
+            outcome = "internal"
+            rid = next(self._ids)
+            log.exception("internal error in HTTP request %d", rid)
+            return _error_response(*openai.error_body(InternalError(
+                f"internal error (logged as HTTP request {rid})")))
+        finally:
+            self._account(request, op, outcome, t0, request.get("user"), request["fields"])
 
     def _user(self, request: web.Request) -> str:
         """Who is asking: the key's user, or ``local`` on a listener without keys."""
@@ -325,6 +356,7 @@ class HttpFront:
                                 request.transport.get_extra_info("peername")):
                 raise Forbidden("this listener serves loopback clients only (no "
                                 "http.api_keys_file is configured)")
+            request["user"] = LOCAL_USER
             return LOCAL_USER
         key = parse_bearer(request.headers.get("Authorization"))
         if key is None:
@@ -332,6 +364,7 @@ class HttpFront:
         user = self.keys.user(key)
         if user is None:
             raise Unauthorized("the API key is not valid")
+        request["user"] = user
         return user
 
     def _peer(self, user: str) -> Peer:
@@ -379,41 +412,20 @@ class HttpFront:
             raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.monotonic()
-        user: str | None = None
-        fields: dict[str, Any] = {}
-        outcome = "ok"
-        try:
-            user = self._user(request)
-            body = await self._read_json(request)
-            session = request.headers.get(SESSION_HEADER)
-            if session is not None and not protocol.SESSION_ID.fullmatch(session):
-                raise openai.bad(SESSION_HEADER, f"{SESSION_HEADER} must be 1-128 "
-                                 "characters of [A-Za-z0-9._-]")
-            chat = openai.parse_chat(body, session, self.config.low_detail_image_tokens)
-            if chat.user is not None:
-                fields["end_user"] = json.dumps(chat.user)
-            await self._fetch_images(chat)
-            response, outcome = await self._generate(request, chat, self._peer(user),
-                                                     fields)
-            return response
-        except QvlError as exc:
-            outcome = exc.code
-            response = _error_response(*openai.error_body(exc))
-            if isinstance(exc, (_TooLarge, _Stalled)):
-                response.force_close()  # the rest of the body is not read
-            return response
-        except asyncio.CancelledError:
-            outcome = "cancelled"  # the client left
-            raise
-        except Exception:
-            outcome = "internal"
-            rid = next(self._ids)
-            log.exception("internal error in HTTP request %d", rid)
-            return _error_response(*openai.error_body(InternalError(
-                f"internal error (logged as HTTP request {rid})")))
-        finally:
-            self._account(request, "generate", outcome, t0, user, fields)
+        user = self._user(request)
+        body = await self._read_json(request)
+        session = request.headers.get(SESSION_HEADER)
+        if session is not None and not protocol.SESSION_ID.fullmatch(session):
+            raise openai.bad(SESSION_HEADER, f"{SESSION_HEADER} must be 1-128 "
+                             "characters of [A-Za-z0-9._-]")
+        chat = openai.parse_chat(body, session, self.config.low_detail_image_tokens)
+        fields = request["fields"]
+        if chat.user is not None:
+            fields["end_user"] = json.dumps(chat.user)
+        await self._fetch_images(chat)
+        response, request["outcome"] = await self._generate(request, chat,
+                                                            self._peer(user), fields)
+        return response
 
     async def _fetch_images(self, chat: openai.ChatRequest) -> None:
         if not chat.remote_images:
@@ -501,25 +513,17 @@ class HttpFront:
             # A client that stops reading: the write waits for room at most this long.
             await asyncio.wait_for(response.write(data), timeout)
 
-        while not task.done():
-            getter = asyncio.ensure_future(exchange.events.get())
-            try:
-                await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not getter.done():
-                    getter.cancel()
-            if getter.done() and not getter.cancelled():
-                await send(openai.chunk(*ident, {"content": getter.result()["text"]}))
-        pending = []
-        while not exchange.events.empty():
-            pending.append(openai.chunk(*ident, {"content":
-                                                 exchange.events.get_nowait()["text"]}))
+        # Token events come through the loop before the generation's end does (both are
+        # handed over with call_soon_threadsafe, in order), so the end closes the queue.
+        task.add_done_callback(lambda _: exchange.events.put_nowait(_END))
+        while (event := await exchange.events.get()) is not _END:
+            await send(openai.chunk(*ident, {"content": event["text"]}))
         try:
             result = task.result()
         except QvlError as exc:
             if response is None:
                 raise
-            await send(*pending, openai.error_body(exc)[1])
+            await send(openai.error_body(exc)[1])
             await response.write_eof()
             return response
         if result["finish_reason"] == "cancelled":  # by a drain: the client is still here
@@ -527,11 +531,11 @@ class HttpFront:
                                   "down); retry")
             if response is None:
                 raise stopped
-            await send(*pending, openai.error_body(stopped)[1])
+            await send(openai.error_body(stopped)[1])
             await response.write_eof()
             return response
-        tail: list[dict[str, Any] | str] = [*pending, openai.chunk(
-            *ident, {}, result["finish_reason"])]
+        tail: list[dict[str, Any] | str] = [openai.chunk(*ident, {},
+                                                         result["finish_reason"])]
         if chat.include_usage:
             tail.append(openai.usage_chunk(result, *ident))
         await send(*tail, "[DONE]")
@@ -544,60 +548,40 @@ class HttpFront:
         return engine.spec.name if engine is not None else "qvld"
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.monotonic()
-        user: str | None = None
-        outcome = "ok"
-        try:
-            user = self._user(request)
-            engine = self.state.require_engine()
-            stats = engine.stats()
-            entry = {"id": engine.spec.name, "object": "model",
-                     "created": int(time.time() - (time.monotonic() - self.state.started)),
-                     "owned_by": "qvld", "input_modalities": ["text", "image"],
-                     "output_modalities": ["text"],
-                     "context_length": stats["max_context_tokens"],
-                     "max_completion_tokens": self.state.config.engine.max_new_tokens}
-            wanted = request.match_info.get("model")
-            if wanted is None:
-                return web.json_response({"object": "list", "data": [entry]})
-            if wanted != entry["id"]:
-                outcome = "not_found"
-                return _error_response(*openai.error_body(
-                    code="not_found", message=f"model {wanted!r} is not served here; "
-                    f"this server serves {entry['id']!r}", param="model"))
-            return web.json_response(entry)
-        except QvlError as exc:
-            outcome = exc.code
-            return _error_response(*openai.error_body(exc))
-        finally:
-            self._account(request, "models", outcome, t0, user)
+        self._user(request)
+        engine = self.state.require_engine()
+        entry = {"id": engine.spec.name, "object": "model",
+                 "created": int(time.time() - (time.monotonic() - self.state.started)),
+                 "owned_by": "qvld", "input_modalities": ["text", "image"],
+                 "output_modalities": ["text"],
+                 "context_length": engine.stats()["max_context_tokens"],
+                 "max_completion_tokens": self.state.config.engine.max_new_tokens}
+        wanted = request.match_info.get("model")
+        if wanted is None:
+            return web.json_response({"object": "list", "data": [entry]})
+        if wanted != entry["id"]:
+            request["outcome"] = "not_found"
+            return _error_response(*openai.error_body(
+                code="not_found", message=f"model {wanted!r} is not served here; "
+                f"this server serves {entry['id']!r}", param="model"))
+        return web.json_response(entry)
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         """For load balancers and probes, without a key: 200 while generations are
         served (a reload keeps serving the old model), else 503."""
-        t0 = time.monotonic()
         state = self.state
         serving = state.engine is not None and state.state in ("ready", "reloading")
-        self._account(request, "health", "ok" if serving else "unavailable", t0, None)
         body = {"status": state.state, "ready": serving}
         if serving:
             return web.json_response(body)
+        request["outcome"] = "unavailable"
         return web.json_response(body, status=503, headers={"Retry-After": "1"})
 
     async def metrics_text(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.monotonic()
-        user: str | None = None
-        outcome = "ok"
-        try:
-            user = self._user(request)
-            encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-            return web.Response(body=encoder(self.metrics.registry),
-                                headers={"Content-Type": content_type})
-        except QvlError as exc:
-            outcome = exc.code
-            return _error_response(*openai.error_body(exc))
-        finally:
-            self._account(request, "metrics", outcome, t0, user)
+        self._user(request)
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encoder(self.metrics.registry),
+                            headers={"Content-Type": content_type})
 
 
 class _TooLarge(QvlError):
