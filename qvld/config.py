@@ -64,6 +64,11 @@ class ModelConfig(_Section):
     # openvino (openvino_*.xml from `qvlctl model convert`) or onnxruntime
     # (onnx_*.onnx from `qvlctl model export-onnx`; needs the onnxruntime extra).
     backend: Literal["openvino", "onnxruntime"] = "openvino"
+    # What encodes images and prefills prompts for the openvino backend (which decodes):
+    # auto is onnxruntime where the directory also holds int8 ONNX graphs (`qvlctl model
+    # export-onnx CHECKPOINT DIR --weights int8`) and onnxruntime is installed (its int8
+    # MatMuls halve the time to the first token on CPUs without VNNI), else openvino.
+    prompt_backend: Literal["auto", "openvino", "onnxruntime"] = "auto"
     # auto: f32 for a language model with int8/int4 weights (OpenVINO quantises its
     # activations dynamically only at f32: the fastest decode), the runtime's default
     # (bf16 where the CPU has it) for the vision models and float weights.

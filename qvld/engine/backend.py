@@ -18,23 +18,78 @@ from pathlib import Path
 from typing import Any
 
 from qvld.config import EngineConfig, ModelConfig
-from qvld.engine.model_dir import ModelSpec
+from qvld.engine.model_dir import VISION_SUBMODELS, ModelSpec, onnx_path, onnx_weights
 from qvld.engine.slots import Models, Slot
 from qvld.errors import ModelInvalid
 
 
 def load_models(spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> Models:
-    """The backend ``model.backend`` names, over the model directory ``spec`` describes."""
+    """The backend ``model.backend`` names, over the model directory ``spec`` describes,
+    with the prompt backend ``model.prompt_backend`` resolves to attached."""
     if model_cfg.backend == "onnxruntime":
-        try:
-            from qvld.engine.onnxruntime import SessionModels
-        except ImportError as exc:
-            raise ModelInvalid("model.backend is onnxruntime but onnxruntime is not "
-                               "installed: pip install 'qvld[onnxruntime]'") from exc
-        return SessionModels(spec, model_cfg, engine_cfg)
+        session_models: Models = _session_models()(spec, model_cfg, engine_cfg)
+        return session_models
     from qvld.engine.openvino import CompiledModels
 
-    return CompiledModels(spec, model_cfg, engine_cfg)
+    prompt = _prompt_models(spec, model_cfg, engine_cfg)
+    if prompt is None:
+        return CompiledModels(spec, model_cfg, engine_cfg)
+    # Images and prompts on ONNX Runtime: OpenVINO compiles no vision models, and keeps
+    # its paged KV cache at f16 (unless set otherwise) so prefilled rows can be copied in.
+    models = CompiledModels(spec, model_cfg, engine_cfg, vision=False, kv_cache_precision="f16")
+    models.prompt = prompt
+    models.weight_files |= prompt.weight_files
+    models.runtime_properties["PROMPT_BACKEND"] = (
+        f"onnxruntime {prompt.runtime_version} (weights {prompt.runtime_properties['WEIGHTS']})")
+    return models
+
+
+def _prompt_models(spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig
+                   ) -> Models | None:
+    """ONNX Runtime's vision and language models when model.prompt_backend resolves to
+    onnxruntime, else None. auto: onnxruntime where it is installed, the directory also
+    holds ONNX graphs of the vision and language models with int8 weights (``qvlctl
+    model export-onnx CHECKPOINT DIR --weights int8``) and generations are batched (the
+    prefilled rows go into the paged cache).
+
+    Measured (BENCHMARKS.md): ONNX Runtime's int8 MatMuls (u8 x s8 integer dot products,
+    on any AVX2 CPU) encode an image and prefill a prompt in about half OpenVINO's time
+    on a CPU without VNNI, where OpenVINO multiplies in f32 (its dynamic quantisation
+    needs VNNI or AMX), and in 0.64-0.72x of it with AMX. OpenVINO keeps decoding:
+    continuous batching runs every generation's next token in one pass over the weights."""
+    choice = model_cfg.prompt_backend
+    graphs = all(onnx_path(spec.path, sub).is_file()
+                 for sub in (*VISION_SUBMODELS, "language_model"))
+    if choice == "onnxruntime" and not graphs:
+        raise ModelInvalid(f"model.prompt_backend is onnxruntime but {spec.path} holds no "
+                           "ONNX graphs: `qvlctl model export-onnx CHECKPOINT "
+                           f"{spec.path} --weights int8` writes them beside the IR")
+    if choice == "auto":
+        # Float graphs are no faster than OpenVINO's: only int8 ones are worth loading.
+        if not (graphs and engine_cfg.continuous_batching
+                and onnx_weights(onnx_path(spec.path, "language_model")) == "int8"):
+            return None
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            return None
+    elif choice == "openvino":
+        return None
+    # ONNX Runtime computes at f32 with an f32 KV cache whatever OpenVINO is set to.
+    onnx_cfg = model_cfg.model_copy(update={"precision": "auto", "kv_cache_precision": "auto"})
+    prompt: Models = _session_models()(spec, onnx_cfg, engine_cfg,
+                                       submodels=(*VISION_SUBMODELS, "language_model"))
+    return prompt
+
+
+def _session_models() -> Any:
+    try:
+        from qvld.engine.onnxruntime import SessionModels
+    except ImportError as exc:
+        raise ModelInvalid("onnxruntime is not installed (model.backend or "
+                           "model.prompt_backend names it): pip install "
+                           "'qvld[onnxruntime]'") from exc
+    return SessionModels
 
 
 def common_prefix(a: list[Any], b: list[Any]) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 
 from qvld.engine.blocks import BlockPool, Lease, RowKey
 from qvld.engine.generate import Decoding, Outcome, Prompt
-from qvld.engine.slots import PagedModel
+from qvld.engine.slots import PagedModel, RowsSlot
 
 log = logging.getLogger("qvld.engine")
 
@@ -72,6 +72,28 @@ class BatchSequence:
                 self.prompt.positions[:, lo:hi], mask, deepstack)
 
 
+def prefill_elsewhere(slot: RowsSlot, model: PagedModel, seq: BatchSequence,
+                      chunk: int) -> np.ndarray | None:
+    """Feed ``seq``'s prompt rows on ``slot`` (another runtime: model.prompt_backend),
+    starting from its shared prefix read out of the paged cache, then copy the new rows
+    into its own blocks. The last row's logits (a copy), or None when it should stop."""
+    slot.load_rows(model.read_rows(seq.lease.blocks, seq.cached))
+    logits = None
+    try:
+        while seq.prefilling:
+            if seq.decoding.should_stop():
+                return None
+            embeds, positions, mask, deepstack = seq.rows(min(chunk, len(seq.prompt.ids)
+                                                              - seq.fed))
+            logits = np.array(slot.step(embeds, positions, mask, slot.no_deepstack()
+                                        if deepstack is None else deepstack))
+            seq.fed += len(embeds)
+        model.write_rows(seq.lease.blocks, seq.cached, slot.rows_from(seq.cached))
+    finally:
+        slot.reset()
+    return logits
+
+
 class BatchRunner:
     """The step loop over one paged model and its block pool."""
 
@@ -93,8 +115,19 @@ class BatchRunner:
 
     # -- the caller's side ------------------------------------------------------------
 
+    def prefilled(self, seq: BatchSequence, logits: np.ndarray) -> None:
+        """``seq``'s prompt is in its blocks (``prefill_elsewhere``): publish them for
+        the prefix cache and take its first token from ``logits``."""
+        self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
+        seq.t_prefill = time.perf_counter()
+        seq.token = seq.decoding.accept(logits)
+
     def run(self, seq: BatchSequence) -> Outcome:
         """Run ``seq`` to its end with the others; blocks the calling thread."""
+        if not seq.prefilling and seq.token is None:  # prefilled, and done at its first
+            self._end(seq)
+            assert seq.outcome is not None
+            return seq.outcome
         with self._cond:
             self._incoming.append(seq)
             if self._thread is None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,7 +14,7 @@ import numpy as np
 
 from qvld.config import Config
 from qvld.engine.backend import SlotPool, common_prefix, load_models, release_file_pages
-from qvld.engine.batch import BatchRunner, BatchSequence
+from qvld.engine.batch import BatchRunner, BatchSequence, prefill_elsewhere
 from qvld.engine.blocks import BlockPool, NoBlocks
 from qvld.engine.cache import ImageCache
 from qvld.engine.generate import Decoding, Outcome, Prompt, never, run_generation
@@ -33,6 +35,8 @@ from qvld.engine.types import (
 )
 from qvld.engine.vision import ImageEmbedding, encode_image
 from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
+
+log = logging.getLogger("qvld.engine")
 
 
 @dataclass
@@ -98,8 +102,14 @@ class Engine:
             paged = self.models.new_paged(self.blocks.num_blocks)
             self.batch = BatchRunner(paged, self.blocks, config.engine.max_batch_tokens,
                                      config.engine.prefill_chunk)
+            if self.models.prompt is not None and not paged.rows_accessible:
+                log.warning("model.kv_cache_precision %s: prompts are prefilled by "
+                            "OpenVINO (ONNX Runtime's rows go only into an f16 or f32 "
+                            "cache); images are still encoded by ONNX Runtime",
+                            config.model.kv_cache_precision)
             budget = None
         self.pool = SlotPool(self.models, config.engine.infer_requests, budget_tokens=budget)
+        self._prefilling = threading.Lock()  # model.prompt_backend: one prefill at a time
         self.images = ImageCache(config.engine.image_cache_mb << 20)
         self.sessions = SessionStore(config.engine.sessions_max, config.engine.session_ttl_s,
                                      per_user=config.engine.sessions_per_user,
@@ -409,16 +419,26 @@ class Engine:
                     self.blocks.release(lease)
                     return None
                 embeds = slot.embed(np.asarray(ids[cached:]))
-            visual = prompt.visual_mask[cached:]
-            if visual.any():
-                rows_of = np.cumsum(prompt.visual_mask)[cached:][visual] - 1
-                embeds[visual] = prompt.visual_embeds[rows_of]
+                visual = prompt.visual_mask[cached:]
+                if visual.any():
+                    rows_of = np.cumsum(prompt.visual_mask)[cached:][visual] - 1
+                    embeds[visual] = prompt.visual_embeds[rows_of]
+                t_generate = time.perf_counter()
+                seq = BatchSequence(prompt=prompt, embeds=embeds, lease=lease, owner=owner,
+                                    decoding=decoding, uid=prepared.uid)
+                if slot.prompt_slot is not None and self.batch.model.rows_accessible:
+                    # Prefilled here, one prompt at a time (each runs on every core),
+                    # beside the steps of those already decoding.
+                    with self._prefilling:
+                        logits = prefill_elsewhere(slot.prompt_slot, self.batch.model, seq,
+                                                   self.config.engine.prefill_chunk)
+                    if logits is None:
+                        self.blocks.release(lease)
+                        return None
+                    self.batch.prefilled(seq, logits)
         except BaseException:
             self.blocks.release(lease)
             raise
-        t_generate = time.perf_counter()
-        seq = BatchSequence(prompt=prompt, embeds=embeds, lease=lease, owner=owner,
-                            decoding=decoding, uid=prepared.uid)
         return prompt, self.batch.run(seq), t_vision, t_generate
 
     def _cancelled(self, prepared: PreparedRequest, t0: float, image_s: float) -> GenerateResult:

@@ -16,6 +16,8 @@ SUBMODELS = (
     "vision_embeddings_pos_model",
     "vision_embeddings_merger_model",
 )
+LANGUAGE_SUBMODELS = ("language_model", "text_embeddings_model")
+VISION_SUBMODELS = tuple(s for s in SUBMODELS if s not in LANGUAGE_SUBMODELS)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,26 @@ def ir_path(path: Path, submodel: str) -> Path:
 
 def onnx_path(path: Path, submodel: str) -> Path:
     return path / f"onnx_{submodel}.onnx"
+
+
+_WEIGHTS_KEY = b"\x0a\x0cqvld.weights\x12"  # StringStringEntryProto: key (1), then value (2)
+
+
+def onnx_weights(graph: Path) -> str | None:
+    """What ``qvlctl model export-onnx`` wrote as a graph's ``qvld.weights`` metadata
+    ("int8", "fp32"), read from the file's bytes without onnx or onnxruntime; None when
+    absent. The metadata follows the graph in the file: its tail is enough when the
+    weights are inline."""
+    size = graph.stat().st_size
+    with graph.open("rb") as f:
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+    at = tail.rfind(_WEIGHTS_KEY)
+    if at < 0 or at + len(_WEIGHTS_KEY) >= len(tail):
+        return None
+    length = tail[at + len(_WEIGHTS_KEY)]  # a varint: these values are short
+    value = tail[at + len(_WEIGHTS_KEY) + 1:at + len(_WEIGHTS_KEY) + 1 + length]
+    return value.decode("utf-8", "replace") if length < 128 else None
 
 
 # The graph files each backend reads, and the command that writes them.

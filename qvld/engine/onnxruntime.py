@@ -64,7 +64,10 @@ def register_shared_arena() -> None:
 class SessionModels:
     """The five InferenceSessions of one model directory."""
 
-    def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
+    def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                 submodels: tuple[str, ...] = SUBMODELS) -> None:
+        """``submodels``: the graphs to load (for a prompt backend: the vision models and
+        the language model, not the embeddings another runtime already has)."""
         if model_cfg.precision == "bf16" or model_cfg.kv_cache_precision not in ("auto", "f32"):
             raise ModelInvalid("the onnxruntime backend computes at f32 with an f32 KV cache: "
                                "leave model.precision and model.kv_cache_precision at auto "
@@ -81,7 +84,7 @@ class SessionModels:
                 raise ModelInvalid(f"{path.name} cannot be loaded: {_first_line(exc)}") from exc
             return session
 
-        self.sessions = {submodel: load(submodel) for submodel in SUBMODELS}
+        self.sessions = {submodel: load(submodel) for submodel in submodels}
         lm = self.sessions["language_model"]
         self.past_names = [i.name for i in lm.get_inputs() if i.name.startswith("past_key_values.")]
         self.present_names = [o.name for o in lm.get_outputs() if o.name.startswith("present.")]
@@ -96,10 +99,11 @@ class SessionModels:
         self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
         # A large graph's weights (its .data file) may be mapped; the MatMul weights are
         # prepacked into memory of ORT's own, so the mapped pages can be dropped.
-        self.weight_files = {str(p.resolve()) for sub in SUBMODELS
+        self.weight_files = {str(p.resolve()) for sub in submodels
                              for p in (spec.onnx(sub), spec.onnx(sub).with_name(
                                  spec.onnx(sub).name + ".data")) if p.exists()}
         self.runtime = "onnxruntime"
+        self.prompt = None
         self.paged = False  # one sequence per step: no continuous batching here
         self.kv_block_size = 0
         self.runtime_version = str(ort.__version__)
@@ -131,10 +135,11 @@ class Slot(SlotBase):
         super().__init__(models.deepstack_layers, models.hidden_size)
         self._models = models
         self._lm = models.sessions["language_model"]
-        self._embed = models.sessions["text_embeddings_model"]
-        self._vision = models.sessions["vision_embeddings_model"]
-        self._vision_pos = models.sessions["vision_embeddings_pos_model"]
-        self._merger = models.sessions["vision_embeddings_merger_model"]
+        # Absent ones (a prompt backend's) are never called.
+        self._embed = models.sessions.get("text_embeddings_model")
+        self._vision = models.sessions.get("vision_embeddings_model")
+        self._vision_pos = models.sessions.get("vision_embeddings_pos_model")
+        self._merger = models.sessions.get("vision_embeddings_merger_model")
         self._binding = self._lm.io_binding()
         self._empty = np.zeros(models.kv_shape, dtype=np.float32)
         # The cache: the last step's present.* outputs, or arrays after a trim (kept
@@ -157,6 +162,15 @@ class Slot(SlotBase):
     def _truncate_cache(self, keep: int) -> None:
         # [batch, kv_heads, seq, head_dim]: the first ``keep`` rows of every layer.
         self._hold([np.ascontiguousarray(value.numpy()[:, :, :keep]) for value in self._kv])
+
+    def load_rows(self, kv: list[np.ndarray]) -> None:
+        self._hold([np.ascontiguousarray(a, dtype=np.float32) for a in kv])
+        self.past_len = kv[0].shape[2]
+        self.history = []
+
+    def rows_from(self, start: int) -> list[np.ndarray]:
+        # numpy() copies out of the OrtValue already: the slice is a view of that copy.
+        return [value.numpy()[:, :, start:] for value in self._kv]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         out = self._run(self._embed, {"input": ids.reshape(1, -1).astype(np.int64)})

@@ -24,7 +24,7 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from qvld.config import EngineConfig, ModelConfig
 from qvld.engine.model_cache import cache_key, open_model_cache
-from qvld.engine.model_dir import SUBMODELS, ModelSpec
+from qvld.engine.model_dir import LANGUAGE_SUBMODELS, SUBMODELS, ModelSpec
 from qvld.engine.slots import SlotBase
 from qvld.errors import ModelInvalid
 
@@ -211,9 +211,13 @@ def compile_properties(model_cfg: ModelConfig, engine_cfg: EngineConfig,
 class CompiledModels:
     """The compiled submodels of one model directory."""
 
-    def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
+    def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                 vision: bool = True, kv_cache_precision: str | None = None) -> None:
+        """``vision`` False: the vision submodels are not compiled (another runtime encodes
+        images); ``kv_cache_precision`` overrides model.kv_cache_precision's auto."""
         core = ov.Core()
-        models = {sub: _read(core, spec, sub) for sub in SUBMODELS}
+        wanted = [sub for sub in SUBMODELS if vision or sub in LANGUAGE_SUBMODELS]
+        models = {sub: _read(core, spec, sub) for sub in wanted}
         self.weight_layout = weight_layout(models["language_model"])
         # Continuous batching runs the language model in its paged-attention form: the
         # KV cache in block tensors the engine hands every step, not in request state.
@@ -223,13 +227,15 @@ class CompiledModels:
             self.logits_sliced = gather_last_token_per_sequence(models["language_model"])
         else:
             self.logits_sliced = slice_logits_to_last_position(models["language_model"])
-        self.patch_matmul = patch_embedding_as_matmul(models["vision_embeddings_model"])
+        self.patch_matmul = vision and patch_embedding_as_matmul(models["vision_embeddings_model"])
         # Each submodel gets the activation quantisation its own weights call for.
         props = {sub: compile_properties(
                      model_cfg, engine_cfg,
                      self.weight_layout if sub == "language_model" else weight_layout(model),
                      language=sub == "language_model")
                  for sub, model in models.items()}
+        if kv_cache_precision is not None and model_cfg.kv_cache_precision == "auto":
+            props["language_model"]["KV_CACHE_PRECISION"] = kv_cache_precision
         # The cache is keyed by the properties too: the cache dir is set before compiling.
         runtime = f"openvino {ov.__version__}"
         key = "" if model_cfg.cache_dir is None else cache_key(
@@ -240,18 +246,18 @@ class CompiledModels:
             if cache is not None:
                 core.set_property({"CACHE_DIR": str(cache.path)})
             compiled = {sub: _compile(core, models[sub], sub, model_cfg.device, props[sub])
-                        for sub in SUBMODELS}
+                        for sub in wanted}
             if cache is not None:
                 cache.seal()
                 blobs = cache.blobs()
         self.language = compiled["language_model"]
         self.embeddings = compiled["text_embeddings_model"]
-        self.vision = compiled["vision_embeddings_model"]
-        self.vision_pos = compiled["vision_embeddings_pos_model"]
-        self.vision_merger = compiled["vision_embeddings_merger_model"]
+        self.vision = compiled.get("vision_embeddings_model")
+        self.vision_pos = compiled.get("vision_embeddings_pos_model")
+        self.vision_merger = compiled.get("vision_embeddings_merger_model")
         # Where the weights are mapped from: the IR's .bin files, or the compiled blobs
         # when the model cache served them.
-        self.weight_files = {str(spec.ir(sub).with_suffix(".bin").resolve()) for sub in SUBMODELS}
+        self.weight_files = {str(spec.ir(sub).with_suffix(".bin").resolve()) for sub in wanted}
         self.weight_files |= {str(p.resolve()) for p in blobs}
         self.hidden_size = spec.hidden_size
         self.deepstack_layers = spec.vision.deepstack_layers
@@ -265,6 +271,9 @@ class CompiledModels:
             self.kv_bytes_per_token = -(-PagedLanguage.bytes_per_block(self.language)
                                         // self.kv_block_size)
         self.runtime = "openvino"
+        # Another runtime's models that encode images and prefill prompts (``backend``
+        # attaches them: model.prompt_backend), or None.
+        self.prompt: Any = None
         self.runtime_version = str(ov.__version__).split("-")[0]  # 2026.4.1-<build> -> 2026.4.1
         self.runtime_properties = {
             key: _text(self.language.get_property(key))
@@ -330,10 +339,13 @@ class Slot(SlotBase):
         # With paged attention the language model runs in the engine's step loop.
         self._lm = None if models.paged else models.language.create_infer_request()
         self._embed = models.embeddings.create_infer_request()
-        self._vision = models.vision.create_infer_request()
-        self._vision_pos = models.vision_pos.create_infer_request()
-        self._merger = models.vision_merger.create_infer_request()
+        # None when another runtime encodes the images (``hybrid``).
+        self._vision = models.vision and models.vision.create_infer_request()
+        self._vision_pos = models.vision_pos and models.vision_pos.create_infer_request()
+        self._merger = models.vision_merger and models.vision_merger.create_infer_request()
         self._beam_idx = np.zeros(1, dtype=np.int32)  # allocated once, passed every step
+        if models.prompt is not None:
+            self.prompt_slot = models.prompt.new_slot()
 
     def _infer(self, request: Any, inputs: dict[str, Any]) -> Any:
         with self._running():
@@ -380,13 +392,22 @@ class Slot(SlotBase):
         return self._keep_logits(out[0][0, -1])
 
     def vision_patches(self, patches: np.ndarray) -> np.ndarray:
+        if self.prompt_slot is not None:
+            with self._running():  # the watchdog watches this slot
+                return self.prompt_slot.vision_patches(patches)
         return np.array(self._infer(self._vision, {"hidden_states": patches})[0])
 
     def vision_positions(self, corner_ids: np.ndarray) -> np.ndarray:
+        if self.prompt_slot is not None:
+            with self._running():  # the watchdog watches this slot
+                return self.prompt_slot.vision_positions(corner_ids)
         return np.array(self._infer(self._vision_pos, {"input": corner_ids})[0])
 
     def vision_merge(self, hidden: np.ndarray, mask: np.ndarray,
                      rotary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.prompt_slot is not None:
+            with self._running():  # the watchdog watches this slot
+                return self.prompt_slot.vision_merge(hidden, mask, rotary)
         out = self._infer(self._merger, {"hidden_states": hidden, "attention_mask": mask,
                                          "rotary_pos_emb": rotary})
         return np.array(out[0]), np.array(out[1])
@@ -408,11 +429,18 @@ class PagedLanguage:
         self._embed = models.embeddings.create_infer_request()
         self.busy_since: float | None = None
         self.cache_bytes = 0
+        self._caches: dict[str, ov.Tensor] = {}
         for port in _cache_inputs(models.language):
             dims = [num_blocks, *(int(d.get_length()) for d in list(port.get_partial_shape())[1:])]
             tensor = ov.Tensor(port.get_element_type(), dims)
             self.cache_bytes += tensor.byte_size
             self._request.set_tensor(port.get_any_name(), tensor)
+            self._caches[port.get_any_name()] = tensor
+        # Rows can be read and written from outside (a prefill another runtime computed)
+        # only where each is a plain [heads, head_dim] vector: f32 or f16, not u8 with
+        # the plugin's scales appended.
+        self.rows_accessible = all(t.element_type in (ov.Type.f32, ov.Type.f16)
+                                   for t in self._caches.values())
         self._no_deepstack = np.zeros((models.deepstack_layers, 1, models.hidden_size),
                                       np.float32)
         self._max_context = np.zeros((), np.int32)
@@ -432,6 +460,47 @@ class PagedLanguage:
             bits = port.get_element_type().bitwidth
             total += int(np.prod(dims)) * bits // 8
         return total
+
+    def _layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(key, value) cache arrays [blocks, heads, block rows, head_dim] per layer."""
+        count = len(self._caches) // 2
+        return [(self._caches[f"key_cache.{i}"].data, self._caches[f"value_cache.{i}"].data)
+                for i in range(count)]
+
+    def _spans(self, blocks: list[int], start: int, count: int
+               ) -> list[tuple[int, int, int, int]]:
+        """(block, first row in it, rows, offset into the span) covering rows
+        [start, start + count) of a sequence whose block table is ``blocks``."""
+        size, spans, row = self.block_size, [], start
+        while row < start + count:
+            n = min(size - row % size, start + count - row)
+            spans.append((blocks[row // size], row % size, n, row - start))
+            row += n
+        return spans
+
+    def read_rows(self, blocks: list[int], count: int) -> list[np.ndarray]:
+        """The first ``count`` KV rows of a sequence: f32 [1, heads, count, head_dim],
+        key then value of each layer (the order of ONNX's past_key_values inputs)."""
+        out = []
+        for key, value in self._layers():
+            for cache in (key, value):
+                rows = np.empty((1, cache.shape[1], count, cache.shape[3]), np.float32)
+                for block, lo, n, at in self._spans(blocks, 0, count):
+                    rows[0, :, at:at + n] = cache[block, :, lo:lo + n]
+                out.append(rows)
+        return out
+
+    def write_rows(self, blocks: list[int], start: int, kv: list[np.ndarray]) -> None:
+        """Store rows [start, start + n) of a sequence from ``kv`` (as ``read_rows``
+        returns them, [1, heads, n, head_dim] each). Only blocks of this sequence past
+        its shared prefix are written: the step thread never reads them meanwhile."""
+        count = kv[0].shape[2]
+        caches = [cache for pair in self._layers() for cache in pair]
+        spans = self._spans(blocks, start, count)
+        for cache, rows in zip(caches, kv, strict=True):
+            rows = rows[0].astype(cache.dtype)  # converted once, then copied per block
+            for block, lo, n, at in spans:
+                cache[block, :, lo:lo + n] = rows[:, at:at + n]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token ids [S] -> embeddings [S,H] (a copy: the request's buffer is reused)."""

@@ -22,6 +22,8 @@ class Slot(Protocol):
     history: list[tuple[int, bytes | None]]
     # When the inference call now running started (the watchdog looks at it).
     busy_since: float | None
+    # Where prompts are prefilled when another runtime does it (model.prompt_backend).
+    prompt_slot: RowsSlot | None
 
     def reset(self) -> None: ...
 
@@ -50,6 +52,18 @@ class Slot(Protocol):
                      rotary: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
 
+class RowsSlot(Slot, Protocol):
+    """A slot whose KV cache can be loaded from and read out as arrays: it prefills
+    prompts for another runtime's paged cache (``model.prompt_backend``)."""
+
+    def load_rows(self, kv: list[np.ndarray]) -> None:
+        """Replace the cache with ``kv`` (f32 [1, heads, rows, head_dim], key then value
+        per layer); ``past_len`` becomes its row count."""
+
+    def rows_from(self, start: int) -> list[np.ndarray]:
+        """The cache's rows [start:] (same layout), as arrays of their own."""
+
+
 class SlotBase:
     """What every backend's slot keeps beside its KV cache, and how it is cut back.
 
@@ -63,6 +77,8 @@ class SlotBase:
         self.past_len = 0
         self.history: list[tuple[int, bytes | None]] = []
         self.busy_since: float | None = None
+        # Where this slot's prompts are prefilled when another runtime does it.
+        self.prompt_slot: RowsSlot | None = None
         self._ones = np.ones((1, 4096), dtype=np.int64)
         self._no_deepstack = np.zeros((deepstack_layers, 1, hidden_size), np.float32)
         self._logits = np.zeros(0, dtype=np.float32)
@@ -135,6 +151,15 @@ class PagedModel(Protocol):
              block_begins: np.ndarray, block_indices: np.ndarray) -> np.ndarray:
         """Logits [sequences, V] of each sequence's last row in the pack."""
 
+    # Whether ``read_rows``/``write_rows`` work (a plain float cache layout).
+    rows_accessible: bool
+
+    def read_rows(self, blocks: list[int], count: int) -> list[np.ndarray]:
+        """A sequence's first ``count`` rows (``RowsSlot.load_rows``' layout)."""
+
+    def write_rows(self, blocks: list[int], start: int, kv: list[np.ndarray]) -> None:
+        """Store a sequence's rows from ``start`` on (``RowsSlot.rows_from``' layout)."""
+
 
 class Models(Protocol):
     """A model directory's submodels, loaded and ready to run."""
@@ -153,6 +178,10 @@ class Models(Protocol):
     # a backend without it runs one generation per slot.
     paged: bool
     kv_block_size: int  # rows per KV block when paged
+
+    # The runtime that encodes images and prefills prompts when it is not this one
+    # (``model.prompt_backend``), else None.
+    prompt: Models | None
 
     def new_slot(self) -> Slot: ...
 

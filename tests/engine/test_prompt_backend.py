@@ -1,0 +1,179 @@
+"""model.prompt_backend: ONNX Runtime encodes images and prefills prompts, OpenVINO decodes.
+
+On the committed tiny model (IR and ONNX graphs side by side): exact token parity with
+transformers at f32 through the split (ONNX Runtime's KV rows copied into OpenVINO's
+paged blocks), a shared prefix read back out of the blocks, cancellation mid-prefill
+giving every block back, how auto resolves, and a real daemon serving this way.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qvld.config import Config
+from qvld.engine import Engine, GenerateRequest
+from qvld.errors import ModelInvalid
+from qvld.modeltools.onnx_export import quantize_int8
+from tests.conftest import TINY, Daemon, load_reference, with_image_bytes
+
+REFERENCE = load_reference(TINY)
+CASES = {c["name"]: c for c in REFERENCE["cases"]}
+
+
+def config(path: Path = TINY, **model: Any) -> Config:
+    # f32 compute and an f32 KV cache: the parity the reference tier holds everywhere.
+    return Config.model_validate({
+        "model": {"path": str(path), "prompt_backend": "onnxruntime", "precision": "f32",
+                  "kv_cache_precision": "f32", **model},
+        "engine": {"infer_requests": 2, "prefill_chunk": 64}})
+
+
+def ask(engine: Engine, case: dict[str, Any], **kw: Any) -> Any:
+    return engine.generate(GenerateRequest(
+        messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
+        max_tokens=case["max_new_tokens"], **kw))
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(config())
+
+
+def test_the_split_is_what_runs(engine: Engine) -> None:
+    models: Any = engine.models
+    assert models.runtime_properties["PROMPT_BACKEND"].startswith("onnxruntime")
+    assert models.vision is None and models.vision_merger is None  # OpenVINO compiled none
+    assert engine.batch is not None and engine.batch.model.rows_accessible
+    # The first token comes from ONNX Runtime's prefill: the batch steps only decode,
+    # one step a token after the first.
+    case = CASES["image_photo"]
+    steps = engine.batch.steps
+    result = ask(engine, case)
+    assert engine.batch.steps - steps == len(result.token_ids) - 1
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_ids_equal_transformers(engine: Engine, name: str) -> None:
+    assert ask(engine, CASES[name]).token_ids == CASES[name]["token_ids"]
+
+
+def test_a_shared_prefix_is_read_back_out_of_the_blocks(engine: Engine) -> None:
+    # The same long prompt twice: the second reuses the first's full blocks, which ONNX
+    # Runtime must read out of OpenVINO's cache to prefill the rest.
+    case = max(CASES.values(), key=lambda c: len(c["input_ids"]))
+    assert engine.blocks is not None
+    assert len(case["input_ids"]) > engine.blocks.block_size
+    ask(engine, case)
+    again = ask(engine, case)
+    assert again.usage.cached_tokens >= engine.blocks.block_size
+    assert again.token_ids == case["token_ids"]
+
+
+def test_a_cancel_during_the_prefill_gives_every_block_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from qvld.engine import onnxruntime
+
+    engine = Engine(config().model_copy(update={"engine": config().engine.model_copy(
+        update={"prefill_chunk": 8})}))
+    assert engine.blocks is not None
+    held = engine.blocks.stats()["held"]
+    chunks = 0
+    step = onnxruntime.Slot.step
+
+    def counted(self: Any, *args: Any) -> Any:
+        nonlocal chunks
+        chunks += 1
+        return step(self, *args)
+
+    monkeypatch.setattr(onnxruntime.Slot, "step", counted)
+    case = CASES["image_photo"]
+    assert len(case["input_ids"]) > 3 * 8
+    result = engine.generate(
+        GenerateRequest(messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
+                        max_tokens=4), should_stop=lambda: chunks >= 2)
+    assert result.finish_reason == "cancelled" and result.token_ids == []
+    assert chunks == 2  # it stopped between the prefill's chunks
+    assert engine.blocks.stats()["held"] == held
+    monkeypatch.undo()
+    assert ask(engine, case).token_ids == case["token_ids"]  # and it serves on
+
+
+def test_a_one_token_answer_ends_at_the_prefill(engine: Engine) -> None:
+    assert engine.blocks is not None
+    held = engine.blocks.stats()["held"]
+    case = CASES["image_photo"]
+    result = engine.generate(GenerateRequest(
+        messages=with_image_bytes(case["messages"], TINY), temperature=0.0, max_tokens=1))
+    assert result.token_ids == case["token_ids"][:1] and result.finish_reason == "length"
+    assert engine.blocks.stats()["held"] == held
+
+
+def test_a_u8_cache_keeps_the_prefill_on_openvino(caplog: pytest.LogCaptureFixture) -> None:
+    # ONNX Runtime's rows go only into a plain float cache; images still go to it.
+    with caplog.at_level("WARNING", logger="qvld.engine"):
+        engine = Engine(config(kv_cache_precision="u8"))
+    assert engine.batch is not None and not engine.batch.model.rows_accessible
+    assert "prefilled by OpenVINO" in caplog.text
+    steps = engine.batch.steps
+    result = ask(engine, CASES["image_photo"])
+    assert engine.batch.steps - steps >= len(result.token_ids)  # the prefill stepped too
+
+
+def test_auto_takes_int8_graphs_and_leaves_float_ones(tmp_path: Path) -> None:
+    # The tiny graphs are fp32: no faster than OpenVINO's, so auto keeps OpenVINO.
+    plain = Engine(config(prompt_backend="auto"))
+    assert plain.models.prompt is None
+    assert "PROMPT_BACKEND" not in plain.models.runtime_properties
+    model = tmp_path / "tiny-int8"
+    shutil.copytree(TINY, model)
+    quantize_int8(model)
+    from qvld.engine.model_dir import onnx_weights
+
+    assert onnx_weights(model / "onnx_language_model.onnx") == "int8"
+    int8 = Engine(config(model, prompt_backend="auto"))
+    assert int8.models.runtime_properties["PROMPT_BACKEND"] == "onnxruntime 1.32.0 (weights int8)"
+    assert len(ask(int8, CASES["image_photo"]).token_ids) == CASES["image_photo"][
+        "max_new_tokens"]
+    alone = Engine(Config.model_validate({
+        "model": {"path": str(model)}, "engine": {"continuous_batching": False}}))
+    assert alone.models.prompt is None  # rows go into a paged cache only
+
+
+def test_the_weights_are_read_from_the_graph_file_without_loading_it(tmp_path: Path) -> None:
+    from qvld.engine.model_dir import onnx_weights
+
+    assert onnx_weights(TINY / "onnx_language_model.onnx") == "fp32"
+    assert onnx_weights(TINY / "onnx_vision_embeddings_merger_model.onnx") == "fp32"
+    stray = tmp_path / "other.onnx"
+    stray.write_bytes(b"\x08\x07" + bytes(4096))  # a graph nobody annotated
+    assert onnx_weights(stray) is None
+
+
+def test_onnxruntime_without_graphs_says_how_to_make_them(tmp_path: Path) -> None:
+    model = tmp_path / "ir-only"
+    shutil.copytree(TINY, model, ignore=shutil.ignore_patterns("onnx_*"))
+    with pytest.raises(ModelInvalid, match="export-onnx"):
+        Engine(config(model))
+    assert Engine(config(model, prompt_backend="auto")).models.prompt is None
+
+
+def test_daemon_serves_with_prompts_on_onnxruntime(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path, args=["--set", "model.prompt_backend=onnxruntime",
+                                    "--set", "model.precision=f32",
+                                    "--set", "model.kv_cache_precision=f32"]).start()
+    try:
+        case = CASES["image_photo"]
+        with daemon.client() as client:
+            status = client.status()
+            assert status["model"]["runtime"]["PROMPT_BACKEND"].startswith("onnxruntime")
+            for _ in range(2):  # the second from the image cache and the prefix cache
+                result = client.generate({"messages": with_image_bytes(case["messages"], TINY),
+                                          "max_tokens": case["max_new_tokens"],
+                                          "temperature": 0})
+                assert result["token_ids"] == case["token_ids"]
+    finally:
+        assert daemon.stop() == 0, daemon.log()
