@@ -9,7 +9,7 @@ PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
 .PHONY: run test test-slow test-reference lint check-packaging install uninstall deb bench bench-llamacpp \
-	bench-concurrency bench-http bench-int8 \
+	bench-concurrency bench-http bench-int8 bench-first-token \
 	fixtures clean
 
 $(BASE): pyproject.toml
@@ -104,6 +104,16 @@ bench-concurrency: bench-int8
 bench-http: bench-int8
 	$(BIN)/python bench/http_overhead.py $(BENCH_MODELS)/qwen3-vl-2b-int8 \
 	  --json $(BENCH_MODELS)/http_overhead.json
+
+# Where a fresh image's first token goes, stage by stage: qvld (defaults: images and
+# prompts on ONNX Runtime beside the int8 IR), its ONNX Runtime backend and daemon, and
+# GenAI on the same IR, interleaved (BENCHMARKS.md, "First token"; about 25 minutes).
+bench-first-token: bench-int8
+	$(BIN)/pip install -q 'openvino-genai==2026.4.1.0' 'openvino-tokenizers==2026.4.1.0'
+	test -d $(BENCH_MODELS)/qwen3-vl-2b-onnx-int8 || $(BIN)/qvlctl model export-onnx \
+	  $(BENCH_HF) $(BENCH_MODELS)/qwen3-vl-2b-onnx-int8 --weights int8
+	$(BIN)/python bench/first_token.py $(BENCH_MODELS) --systems qvld,qvld-ort,daemon,genai \
+	  --sizes 448,large --rounds 5 --tokens 32 --json $(BENCH_MODELS)/first_token.json
 
 # llama.cpp from the copy vendored in llama-cpp-python's sdist, and GGUF conversions
 # (bf16, Q8_0, Q4_K_M, mmproj f16) of the same checkpoint, for `make bench`.

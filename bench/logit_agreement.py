@@ -2,6 +2,7 @@
 
     python bench/logit_agreement.py precision MODEL_DIR [--tokens 24]
     python bench/logit_agreement.py quantisation HF_DIR OV_DIR... [--tokens 24]
+    python bench/logit_agreement.py prompt-backend MODEL_DIR [--tokens 24]
 
 Teacher forcing: the reference's own greedy continuation of each prompt is fed to every
 candidate, and the logits each computes for every next token are compared with the
@@ -14,6 +15,12 @@ candidates are the other settings, qvld's default among them.
 ``quantisation``: the reference is transformers at bf16 on the unquantised checkpoint
 (the model the quantised exports came from); candidates are those exports run by qvld's
 engine at its defaults and at bf16 without dynamic quantisation.
+``prompt-backend``: MODEL_DIR holds the IR and int8 ONNX graphs; the reference is qvld
+all on OpenVINO at f32, f32 KV cache, no dynamic quantisation, batched; candidates are
+the defaults with images and prompts on OpenVINO, and on ONNX Runtime (its int8 MatMuls,
+then the rows copied into OpenVINO's f16 or f32 KV cache). Each runs the engine's own
+path (``generate``), its sampler replaced by one that records the logits and returns the
+forced token.
 """
 
 from __future__ import annotations
@@ -65,7 +72,9 @@ def engine_for(model: Path, setting: Setting = ("", "auto", "auto", "auto")) -> 
                                            kv_cache_precision=kv,  # type: ignore[arg-type]
                                            dynamic_quantization=dq,  # type: ignore[arg-type]
                                            backend=backend_of(model)),  # type: ignore[arg-type]
-                         engine=EngineConfig(infer_requests=1, image_cache_mb=0, kv_cache_mb=0)))
+                         # forced_logits steps a slot of its own: no batch loop.
+                         engine=EngineConfig(infer_requests=1, image_cache_mb=0, kv_cache_mb=0,
+                                             continuous_batching=False)))
 
 
 def forced_logits(engine: Engine, request: GenerateRequest, continuation: list[int]
@@ -195,9 +204,73 @@ def quantisation(hf_dir: Path, models: list[Path], tokens: int, size: int,
             del engine
 
 
+class ForcedSampler:
+    """In place of the engine's Sampler: records each step's logits, returns the next
+    token of a fixed continuation."""
+
+    def __init__(self, continuation: list[int]) -> None:
+        self.continuation = continuation
+        self.rows: list[np.ndarray] = []
+
+    def __call__(self, *_: Any) -> ForcedSampler:  # the engine constructs its Sampler
+        return self
+
+    def choose(self, logits: np.ndarray) -> int:
+        self.rows.append(np.array(logits, dtype=np.float32))
+        return self.continuation[len(self.rows) - 1]
+
+
+def generated_logits(engine: Engine, request: GenerateRequest, continuation: list[int]
+                     ) -> np.ndarray:
+    """The logits [len(continuation), V] the engine's own generation path computes with
+    ``continuation`` forced token by token."""
+    from qvld.engine import engine as engine_module
+
+    forced = ForcedSampler(continuation)
+    original = engine_module.Sampler
+    engine_module.Sampler = forced  # type: ignore[assignment,misc]
+    try:
+        engine.generate(dataclasses.replace(request, max_tokens=len(continuation)))
+    finally:
+        engine_module.Sampler = original  # type: ignore[misc]
+    return np.stack(forced.rows)
+
+
+def prompt_backend(model: Path, tokens: int, size: int) -> None:
+    import gc
+
+    def load(prompt: str, kv: str, precision: str = "auto", dq: str = "auto") -> Engine:
+        return Engine(Config.model_validate({
+            "model": {"path": str(model), "prompt_backend": prompt, "kv_cache_precision": kv,
+                      "precision": precision, "dynamic_quantization": dq},
+            "engine": {"infer_requests": 1, "image_cache_mb": 0, "kv_cache_mb": 0}}))
+
+    reference = load("openvino", "f32", "f32", "off")
+    cases = []
+    for seed, text in PROMPTS:
+        request = GenerateRequest(messages=messages(seed, text, size), max_tokens=tokens,
+                                  temperature=0.0, ignore_eos=True)
+        continuation = reference.generate(request).token_ids
+        cases.append((request, continuation,
+                      generated_logits(reference, request, continuation)))
+    print(f"{model.name}: reference all OpenVINO, f32 compute, f32 KV, no DQ\n{HEADER}")
+    for label, prompt, kv in (("defaults, prompts on OpenVINO", "openvino", "auto"),
+                              ("defaults, prompts on ONNX Runtime int8", "onnxruntime", "auto"),
+                              ("prompts on ONNX Runtime int8, KV f32", "onnxruntime", "f32")):
+        engine = load(prompt, kv)
+        props = engine.models.runtime_properties
+        report(f"{label} (KV {props['KV_CACHE_PRECISION']}, DQ "
+               f"{props['DYNAMIC_QUANTIZATION_GROUP_SIZE']})",
+               [(ref, generated_logits(engine, request, cont)) for request, cont, ref in cases])
+        del engine
+        gc.collect()
+    report("control: the reference again", [(ref, generated_logits(reference, request, cont))
+                              for request, cont, ref in cases])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["precision", "quantisation"])
+    parser.add_argument("mode", choices=["precision", "quantisation", "prompt-backend"])
     parser.add_argument("dirs", type=Path, nargs="+")
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--size", type=int, default=448)
@@ -207,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "precision":
         for model in args.dirs:
             precision(model, args.tokens, args.size)
+    elif args.mode == "prompt-backend":
+        for model in args.dirs:
+            prompt_backend(model, args.tokens, args.size)
     else:
         if len(args.dirs) < 2:
             parser.error("quantisation needs HF_DIR and at least one OV_DIR")
