@@ -249,6 +249,9 @@ class Engine:
         """Whether an inference call has been running for longer than ``bound_s``."""
         now = time.monotonic()
         started = [slot.busy_since for slot in self.pool.slots]
+        # A prompt prefilled by another runtime runs on the slot's prompt slot.
+        started += [slot.prompt_slot.busy_since for slot in self.pool.slots
+                    if slot.prompt_slot is not None]
         if self.batch is not None:
             started.append(self.batch.busy_since)
         return any(t is not None and now - t > bound_s for t in started)

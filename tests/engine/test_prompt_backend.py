@@ -9,6 +9,7 @@ giving every block back, how auto resolves, and a real daemon serving this way.
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,16 @@ def test_a_cancel_during_the_prefill_gives_every_block_back(
     assert engine.blocks.stats()["held"] == held
     monkeypatch.undo()
     assert ask(engine, case).token_ids == case["token_ids"]  # and it serves on
+
+
+def test_the_watchdog_sees_a_prefill_on_the_prompt_slot(engine: Engine) -> None:
+    slot = engine.pool.slots[0]
+    assert slot.prompt_slot is not None and not engine.infer_stuck(60)
+    slot.prompt_slot.busy_since = time.monotonic() - 120  # a call running for 2 minutes
+    try:
+        assert engine.infer_stuck(60)
+    finally:
+        slot.prompt_slot.busy_since = None
 
 
 def test_a_one_token_answer_ends_at_the_prefill(engine: Engine) -> None:
