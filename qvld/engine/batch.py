@@ -73,25 +73,29 @@ class BatchSequence:
 
 
 def prefill_elsewhere(slot: RowsSlot, model: PagedModel, seq: BatchSequence,
-                      chunk: int) -> np.ndarray | None:
+                      chunk: int) -> bool:
     """Feed ``seq``'s prompt rows on ``slot`` (another runtime: model.prompt_backend),
-    starting from its shared prefix read out of the paged cache, then copy the new rows
-    into its own blocks. The last row's logits (a copy), or None when it should stop."""
+    starting from its shared prefix read out of the paged cache; take its first token
+    from the last row's logits, then copy the new rows into its own blocks (after the
+    token went out: the copy is not in the time to it). False when it should stop."""
     slot.load_rows(model.read_rows(seq.lease.blocks, seq.cached))
-    logits = None
     try:
+        logits = None
         while seq.prefilling:
             if seq.decoding.should_stop():
-                return None
+                return False
             embeds, positions, mask, deepstack = seq.rows(min(chunk, len(seq.prompt.ids)
                                                               - seq.fed))
-            logits = np.array(slot.step(embeds, positions, mask, slot.no_deepstack()
-                                        if deepstack is None else deepstack))
+            logits = slot.step(embeds, positions, mask, slot.no_deepstack()
+                               if deepstack is None else deepstack)
             seq.fed += len(embeds)
+        assert logits is not None, "a lease always leaves the last prompt row to feed"
+        seq.t_prefill = time.perf_counter()
+        seq.token = seq.decoding.accept(logits)
         model.write_rows(seq.lease.blocks, seq.cached, slot.rows_from(seq.cached))
     finally:
         slot.reset()
-    return logits
+    return True
 
 
 class BatchRunner:
@@ -115,19 +119,14 @@ class BatchRunner:
 
     # -- the caller's side ------------------------------------------------------------
 
-    def prefilled(self, seq: BatchSequence, logits: np.ndarray) -> None:
-        """``seq``'s prompt is in its blocks (``prefill_elsewhere``): publish them for
-        the prefix cache and take its first token from ``logits``."""
-        self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
-        seq.t_prefill = time.perf_counter()
-        seq.token = seq.decoding.accept(logits)
-
     def run(self, seq: BatchSequence) -> Outcome:
         """Run ``seq`` to its end with the others; blocks the calling thread."""
-        if not seq.prefilling and seq.token is None:  # prefilled, and done at its first
-            self._end(seq)
-            assert seq.outcome is not None
-            return seq.outcome
+        if not seq.prefilling:  # prefilled elsewhere: its blocks are now worth sharing
+            self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
+            if seq.token is None:  # and done at its first token
+                self._end(seq)
+                assert seq.outcome is not None
+                return seq.outcome
         with self._cond:
             self._incoming.append(seq)
             if self._thread is None:

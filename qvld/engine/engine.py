@@ -433,12 +433,11 @@ class Engine:
                     # Prefilled here, one prompt at a time (each runs on every core),
                     # beside the steps of those already decoding.
                     with self._prefilling:
-                        logits = prefill_elsewhere(slot.prompt_slot, self.batch.model, seq,
-                                                   self.config.engine.prefill_chunk)
-                    if logits is None:
+                        fed = prefill_elsewhere(slot.prompt_slot, self.batch.model, seq,
+                                                self.config.engine.prefill_chunk)
+                    if not fed:
                         self.blocks.release(lease)
                         return None
-                    self.batch.prefilled(seq, logits)
         except BaseException:
             self.blocks.release(lease)
             raise
