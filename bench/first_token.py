@@ -200,12 +200,12 @@ class QvldWorker:
         self.engine = Engine(Config.model_validate(raw))
         self.engine.warmup()
         self.load_s = time.perf_counter() - t0
-        self.properties = dict(getattr(self.engine.models, "runtime_properties", {}))
+        self.properties = dict(self.engine.models.runtime_properties)
 
     def ask(self, image: bytes, tokens: int, load: int) -> dict[str, Any]:
         from qvld.engine import GenerateRequest
 
-        background = self._background(load)
+        background = Background(self.engine, load)
         try:
             self.stages.start()
             result = self.engine.generate(
@@ -221,9 +221,6 @@ class QvldWorker:
                    tpot_s=result.timings.decode_s / max(n - 1, 1), load=load,
                    others_tokens=background.tokens)
         return out
-
-    def _background(self, n: int) -> Background:
-        return Background(self.engine, n)
 
 
 class Background:
@@ -426,8 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bench_dir", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    systems_help = "; ".join(f"{name} ({what})" for name, (_, what) in SYSTEMS.items())
     parser.add_argument("--systems", default=DEFAULT_SYSTEMS,
-                        help=f"comma-separated, of {', '.join(SYSTEMS)}")
+                        help=f"comma-separated, of: {systems_help}")
     parser.add_argument("--sizes", default="448,large",
                         help="image sides, and 'large' for the 1280x960 photo")
     parser.add_argument("--rounds", type=int, default=3)
