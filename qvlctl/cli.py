@@ -112,7 +112,39 @@ def ask_params(args: argparse.Namespace) -> dict[str, Any]:
     params: dict[str, Any] = {"messages": messages, **sampling_params(args)}
     if args.session is not None:
         params["session"] = args.session
+    response_format = response_format_param(args)
+    if response_format is not None:
+        params["response_format"] = response_format
     return params
+
+
+def read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc}") from None
+
+
+def response_format_param(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--json-schema FILE`` / ``--json-object`` / ``--regex`` / ``--grammar FILE``: what
+    the answer must match (the daemon checks the content)."""
+    if args.json_schema is not None:
+        text = read_text(args.json_schema, "the JSON Schema")
+        try:
+            schema = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise UsageError(f"{args.json_schema} is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise UsageError(f"{args.json_schema} must hold a JSON Schema object")
+        # As JSON text: a schema may nest deeper than a protocol frame's maps may.
+        return {"type": "json_schema", "schema": text}
+    if args.json_object:
+        return {"type": "json_object"}
+    if args.regex is not None:
+        return {"type": "regex", "pattern": args.regex}
+    if args.grammar is not None:
+        return {"type": "grammar", "grammar": read_text(args.grammar, "the grammar")}
+    return None
 
 
 def cmd_ask(client: Client, args: argparse.Namespace) -> int:
@@ -313,6 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="image files ('-' reads stdin), then the question")
     ask.add_argument("--messages", type=Path, help="a JSON array of messages instead")
     ask.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    shape = ask.add_argument_group("answer format (constrained decoding)")
+    shape = shape.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", dest="json_schema", type=Path, metavar="FILE",
+                       help="the answer is JSON valid against this JSON Schema")
+    shape.add_argument("--json-object", dest="json_object", action="store_true",
+                       help="the answer is a JSON object")
+    shape.add_argument("--regex", metavar="PATTERN", help="the answer matches this regex")
+    shape.add_argument("--grammar", type=Path, metavar="FILE",
+                       help="the answer matches this Lark or GBNF grammar")
     ask.set_defaults(func=cmd_ask)
 
     chat = sub.add_parser("chat", parents=[sampling],

@@ -119,6 +119,10 @@ class EngineConfig(_Section):
     # Rows one step feeds the language model: every running generation's next token
     # first, then prompt chunks of new ones up to this many.
     max_batch_tokens: int = Field(512, ge=1)
+    # Structured output (response_format): a grammar not compiled within this many
+    # seconds of the request's arrival is a bad_request; compiled grammars kept by content.
+    grammar_compile_timeout_s: float = Field(5.0, gt=0, le=MAX_SECONDS)
+    grammar_cache_size: int = Field(64, ge=0, le=65_536)
 
     @field_validator("streams")
     @classmethod

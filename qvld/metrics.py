@@ -43,6 +43,13 @@ HTTP_OPS = frozenset({"generate", "health", "models", "metrics"})
 # Generations per batched step, and prompt rows fed per step.
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PREFILL_ROW_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Structured output: a grammar's compile (a cached one is not observed), and the token
+# mask of one step (computed and applied to the logits).
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0)
+MASK_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                0.01, 0.025, 0.05)
+RESPONSE_FORMATS = ("json_schema", "json_object", "regex", "grammar")
 
 
 
@@ -120,6 +127,17 @@ class Metrics:
                                     "Generations advanced by one batched step.", BATCH_BUCKETS)
         self.step_prefill = histogram("qvld_batch_prefill_tokens_per_step",
                                       "Prompt rows fed in one batched step.", PREFILL_ROW_BUCKETS)
+        self.constrained = Counter("qvld_constrained_requests",
+                                   "Generations whose answer a response format constrained, "
+                                   "by its type.", ("format",), registry=registry)
+        self.grammar_compile = histogram("qvld_grammar_compile_seconds",
+                                         "Compiling a response format (cached ones are not "
+                                         "compiled again).", COMPILE_BUCKETS)
+        self.grammar_mask = histogram("qvld_grammar_mask_seconds",
+                                      "Computing and applying a response format's token "
+                                      "mask, per generated token.", MASK_BUCKETS)
+        for fmt in RESPONSE_FORMATS:
+            self.constrained.labels(fmt)
         ProcessCollector(registry=registry)
         # Pre-create the request series that alert rules divide by, so they exist at 0.
         for op in ("generate", "health"):
@@ -177,6 +195,12 @@ class Metrics:
         self.image_cache_misses.inc(result.image_cache_misses)
         if usage.cached_tokens:
             self.session_cache_hits.inc()
+        if result.response_format in RESPONSE_FORMATS:
+            self.constrained.labels(result.response_format).inc()
+            if result.grammar_compile_s is not None:
+                self.grammar_compile.observe(result.grammar_compile_s)
+            for seconds in result.mask_s:
+                self.grammar_mask.observe(seconds)
 
     def set_model(self, version: str, backend: str, runtime_version: str, model: str,
                   precision: str, load_s: float) -> None:

@@ -17,6 +17,7 @@ from qvld.engine.backend import SlotPool, common_prefix, load_models, release_fi
 from qvld.engine.batch import BatchRunner, BatchSequence, prefill_elsewhere
 from qvld.engine.blocks import BlockPool, NoBlocks
 from qvld.engine.cache import ImageCache
+from qvld.engine.constraints import Constraint, GrammarCompiler
 from qvld.engine.generate import Decoding, Outcome, Prompt, never, run_generation
 from qvld.engine.image import PixelBudget, PreparedImage
 from qvld.engine.model_dir import ModelSpec, load_model_spec
@@ -61,6 +62,8 @@ class PreparedRequest:
     # and the embeddings of those whose bytes the session had already let go.
     history_images: list[PreparedImage] = field(default_factory=list)
     pinned: dict[bytes, ImageEmbedding] = field(default_factory=dict)
+    # The response format's matcher, its compile started when the request arrived.
+    constraint: Constraint | None = None
 
     @property
     def max_total_tokens(self) -> int:
@@ -117,6 +120,11 @@ class Engine:
         self.prompts = PromptBuilder(self.spec, self.tokenizer, self.template, self.images,
                                      config.engine.max_decode_pixels, self.max_context,
                                      one_encoder_at_a_time=self.batch is not None)
+        # Structured output: compiled on threads of its own, beside images and prefill.
+        self.grammars = GrammarCompiler(config.model.path / "tokenizer.json",
+                                        self.spec.vocab_size,
+                                        self.spec.generation.eos_token_ids,
+                                        cache_size=config.engine.grammar_cache_size)
         self.load_s = time.perf_counter() - t0
 
     def _block_pool(self, config: Config) -> BlockPool:
@@ -169,6 +177,10 @@ class Engine:
         """
         t0 = time.perf_counter()
         checked = self.check(request)
+        constraint = None
+        if request.response_format is not None:  # compiles while the images decode
+            constraint = self.grammars.start(request.response_format,
+                                             self.config.engine.grammar_compile_timeout_s)
         session: Session | None = None
         lost = False
         if request.session is not None:  # looked up, never created before a turn commits
@@ -183,13 +195,16 @@ class Engine:
         owner = self.cache_owner(uid)
         pinned = {image.digest: embedding for image in history_images if dropped(image)
                   and (embedding := self.images.peek((owner, image.digest))) is not None}
+        if constraint is not None and constraint.failed():
+            constraint.wait()  # a grammar that failed already fails before the queue
         return PreparedRequest(request=request, uid=uid, params=checked.sampling,
                                max_tokens=checked.max_tokens, ids=ids,
                                images=images, image_starts=starts,
                                prepare_s=time.perf_counter() - t0,
                                session=session, session_version=version,
                                history_tokens=len(history), session_reset=lost,
-                               history_images=history_images, pinned=pinned)
+                               history_images=history_images, pinned=pinned,
+                               constraint=constraint)
 
     def _check_context(self, history: int, new: int) -> None:
         if history + new + 1 > self.max_context:
@@ -344,13 +359,15 @@ class Engine:
             self.tokenizer, Sampler(prepared.params, ids, self.spec.vocab_size),
             prompt_len=len(ids), max_tokens=prepared.max_tokens, max_context=self.max_context,
             eos_ids=() if request.ignore_eos else self.spec.generation.eos_token_ids,
-            stops=StopStrings(request.stop), on_token=on_token, should_stop=should_stop)
+            stops=StopStrings(request.stop), on_token=on_token, should_stop=should_stop,
+            constraint=prepared.constraint)
         run = self._run_batched if self.batch is not None else self._run_alone
         ran = run(prepared, ids, images, starts, decoding, pinned)
         if ran is None:
             return self._cancelled(prepared, t0, prepared.prepare_s + time.perf_counter() - t0)
         prompt, outcome, t_vision, t_generate = ran
         image_s = prepared.prepare_s + t_generate - t_vision
+        constraint = prepared.constraint
         return GenerateResult(
             text=outcome.text,
             token_ids=outcome.token_ids,
@@ -371,6 +388,9 @@ class Engine:
             token_gaps=outcome.token_gaps,
             image_cache_hits=prompt.image_cache_hits,
             image_cache_misses=prompt.image_cache_misses,
+            response_format=None if constraint is None else constraint.format.type,
+            grammar_compile_s=None if constraint is None else constraint.compile_s,
+            mask_s=[] if constraint is None else constraint.mask_s,
         )
 
     def _run_alone(self, prepared: PreparedRequest, ids: list[int],
@@ -426,6 +446,10 @@ class Engine:
                 if visual.any():
                     rows_of = np.cumsum(prompt.visual_mask)[cached:][visual] - 1
                     embeds[visual] = prompt.visual_embeds[rows_of]
+                if decoding.constraint is not None:
+                    # Compiled by now (beside the images and embedding): the batch loop
+                    # never waits for one sequence's grammar.
+                    decoding.constraint.wait()
                 t_generate = time.perf_counter()
                 seq = BatchSequence(prompt=prompt, embeds=embeds, lease=lease, owner=owner,
                                     decoding=decoding, uid=prepared.uid)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from qvld.engine.constraints import Constraint
 from qvld.engine.prompt import IncrementalText, TextTokenizer
 from qvld.engine.sampling import Sampler, StopStrings
 from qvld.engine.slots import Slot
@@ -103,8 +104,10 @@ class Decoding:
     def __init__(self, tokenizer: TextTokenizer, sampler: Sampler, *, prompt_len: int,
                  max_tokens: int, max_context: int, eos_ids: Sequence[int],
                  stops: StopStrings, on_token: TokenCallback | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> None:
+                 should_stop: Callable[[], bool] | None = None,
+                 constraint: Constraint | None = None) -> None:
         self.sampler = sampler
+        self.constraint = constraint
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
         self.max_context = max_context
@@ -123,8 +126,15 @@ class Decoding:
 
     def accept(self, logits: np.ndarray) -> int | None:
         """Choose the next token from ``logits`` (changed in place) and stream what became
-        final; the token to feed next, or None when a stop rule fired (``finish``)."""
+        final; the token to feed next, or None when a stop rule fired (``finish``).
+
+        A response format masks the logits first; the answer stops where its grammar is
+        complete (nothing else may follow), whether or not the model chose an eos."""
+        constraint = self.constraint
+        if constraint is not None:
+            constraint.mask(logits)
         token = self.sampler.choose(logits)
+        complete = constraint is not None and constraint.advance(token)
         now = time.perf_counter()
         if not self.text.ids:
             self.t_first = now
@@ -138,7 +148,7 @@ class Decoding:
         self.pending.append(token)
         if token not in self.eos and stops.stops:
             self.stop_at = stops.find(text.text, searched)
-        if token in self.eos or self.stop_at is not None:
+        if token in self.eos or self.stop_at is not None or complete:
             self.finish = "stop"
         elif (len(text.ids) >= self.max_tokens
               or self.prompt_len + len(text.ids) >= self.max_context):

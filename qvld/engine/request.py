@@ -17,6 +17,7 @@ from typing import Any
 
 from qvld import protocol
 from qvld.config import EngineConfig, did_you_mean
+from qvld.engine.constraints import parse_response_format
 from qvld.engine.model_dir import GenerationDefaults
 from qvld.engine.sampling import SamplingParams
 from qvld.engine.types import GenerateRequest
@@ -25,7 +26,7 @@ from qvld.errors import BadRequest
 GENERATE_PARAMS = frozenset({
     "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "seed", "stop", "session", "stream",
-    "deadline_s", "ignore_eos", "max_image_tokens",
+    "deadline_s", "ignore_eos", "max_image_tokens", "response_format",
 })
 ROLES = frozenset({"system", "user", "assistant"})
 
@@ -116,6 +117,7 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
         ignore_eos=bool_param(params, "ignore_eos"),
         max_image_tokens=int_param(params, "max_image_tokens"),
         session=session,
+        response_format=parse_response_format(params.get("response_format")),
     )
     return request, bool_param(params, "stream")
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from qvld.engine.constraints import ResponseFormat
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -26,6 +29,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     max_image_tokens: int | None = None
     session: str | None = None  # continue (or start) this conversation
+    response_format: ResponseFormat | None = None  # what the answer must match
 
 
 @dataclass
@@ -69,6 +73,11 @@ class GenerateResult:
     image_cache_hits: int = 0
     image_cache_misses: int = 0
     session: SessionInfo | None = None
+    # A response format's type, its compile time (None: cached, or none), and each
+    # step's mask time.
+    response_format: str | None = None
+    grammar_compile_s: float | None = None
+    mask_s: list[float] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"text": self.text, "token_ids": self.token_ids,

@@ -6,9 +6,12 @@ the other functions shape results, stream chunks and errors the way OpenAI's cli
 read them. Images come as ``data:`` URLs (PNG, JPEG, WebP, GIF); http(s) URLs are left
 for the caller to fetch, where the admin allows it.
 
-Fields OpenAI defines but qvld does not do (tools, logprobs, other response formats)
-are refused when they ask for something, and accepted at their "off" value, because
-clients send them by default. Unknown fields are refused with a did-you-mean.
+``response_format`` is OpenAI's (``text``, ``json_object``, ``json_schema`` with its
+``name``, ``description``, ``schema`` and ``strict``; every schema is enforced, strict or
+not), plus protocol v1's ``regex`` and ``grammar`` types as extensions.
+Fields OpenAI defines but qvld does not do (tools, logprobs) are refused when they ask
+for something, and accepted at their "off" value, because clients send them by default.
+Unknown fields are refused with a did-you-mean.
 Extensions, as llama-server and vLLM accept them: ``top_k``, ``repetition_penalty``,
 ``max_image_tokens``, ``ignore_eos``, ``session`` (or the ``X-Qvld-Session`` header).
 """
@@ -29,7 +32,7 @@ from qvld.errors import BadRequest, ImageInvalid, QvlError
 FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "seed", "stop", "presence_penalty", "frequency_penalty", "n", "user", "stream",
-    "stream_options",
+    "stream_options", "response_format",
     # extensions
     "top_k", "repetition_penalty", "max_image_tokens", "ignore_eos", "session",
 })
@@ -38,7 +41,7 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "functions": (None, []), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "store": (None, False),
+    "store": (None, False),
     "metadata": (None, {}), "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]), "logit_bias": (None, {}), "prediction": (None,),
     "audio": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
@@ -128,9 +131,53 @@ def parse_chat(body: Any, session: str | None = None,
             params[name] = body[name]
     if session is not None:
         params["session"] = session
+    response_format = _response_format(body.get("response_format"))
+    if response_format is not None:
+        params["response_format"] = response_format
     if "max_image_tokens" not in params and details and all(d == "low" for d in details):
         params["max_image_tokens"] = low_detail_tokens
     return ChatRequest(params, stream, include_usage, model, user, remote)
+
+
+JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` -> protocol v1's (which checks the content)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_schema":
+        assert isinstance(value, dict)
+        if set(value) != {"type", "json_schema"}:
+            raise bad("response_format", "response_format of type json_schema has "
+                      "exactly type and json_schema")
+        spec = value["json_schema"]
+        if not isinstance(spec, dict):
+            raise bad("response_format.json_schema", "response_format.json_schema must be "
+                      "an object {name, schema, strict, description}")
+        extra = sorted(map(str, set(spec) - JSON_SCHEMA_KEYS))
+        if extra:
+            raise bad(f"response_format.json_schema.{extra[0]}",
+                      f"response_format.json_schema.{extra[0]} is not a field "
+                      f"(it has {', '.join(sorted(JSON_SCHEMA_KEYS))})")
+        name = spec.get("name")
+        if name is not None and (not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name)):
+            raise bad("response_format.json_schema.name", "response_format.json_schema.name "
+                      "must be 1-64 characters of [A-Za-z0-9_-]")
+        if spec.get("strict") not in (None, True, False):
+            raise bad("response_format.json_schema.strict",
+                      "response_format.json_schema.strict must be true or false")
+        if spec.get("schema") is None:  # OpenAI's schema is optional: any JSON object
+            return {"type": "json_object"}
+        return {"type": "json_schema", "schema": spec["schema"]}
+    if kind == "text" and set(value) == {"type"}:
+        return None
+    if kind in ("text", "json_object", "regex", "grammar"):
+        return dict(value)  # protocol v1's shape: its parser checks the rest
+    raise bad("response_format", "response_format.type must be text, json_object, "
+              "json_schema (or, as extensions, regex or grammar)")
 
 
 def _stream_options(options: Any, stream: bool) -> bool:

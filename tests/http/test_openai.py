@@ -64,7 +64,10 @@ def test_a_full_request_maps_onto_generate_params() -> None:
 @pytest.mark.parametrize("fields, param", [
     ({"n": 2}, "n"), ({"n": True}, "n"), ({"tempreature": 1}, "tempreature"),
     ({"tools": [{"type": "function"}]}, "tools"), ({"logprobs": True}, "logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": []}},
+     "response_format.json_schema"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
     ({"model": 3}, "model"), ({"user": "x" * 300}, "user"), ({"stream": "yes"}, "stream"),
@@ -86,6 +89,23 @@ def test_what_is_refused_names_its_field(fields: dict[str, Any], param: str) -> 
         openai.parse_chat(body(**fields))
     assert getattr(refused.value, "param", None) == param
     assert openai.error_body(refused.value)[1]["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("given", "wire"), [
+    ({"type": "text"}, None),
+    ({"type": "json_object"}, {"type": "json_object"}),
+    ({"type": "json_schema", "json_schema": {"name": "r", "strict": True,
+                                             "schema": {"type": "integer"}}},
+     {"type": "json_schema", "schema": {"type": "integer"}}),
+    ({"type": "json_schema", "json_schema": {"name": "any", "description": "d"}},
+     {"type": "json_object"}),  # OpenAI's schema is optional
+    ({"type": "regex", "pattern": "[0-9]+"}, {"type": "regex", "pattern": "[0-9]+"}),
+])
+def test_openais_response_formats_become_protocol_v1s(given: Any, wire: Any) -> None:
+    params = openai.parse_chat(body(response_format=given)).params
+    assert params.get("response_format") == wire
+    request, _ = parse_generate(params)
+    assert (request.response_format is None) == (wire is None)
 
 
 def test_unknown_field_gets_a_did_you_mean() -> None:

@@ -1,0 +1,309 @@
+"""Structured output: a request's ``response_format`` -> a token mask at every step.
+
+Built on llguidance (guidance-ai/llguidance): its matcher is Rust, needs no torch, drops
+the GIL while it compiles or computes a mask, bounds its own work (lexer fuel, grammar
+size: a hostile schema ends in an error, not a hang), and covers JSON Schema, regexes
+and Lark/GBNF grammars with one API. Its wheel is abi3 (one wheel for Python 3.10-3.13).
+
+- ``parse_response_format`` types the wire's value (no llguidance needed);
+- ``GrammarCompiler`` compiles on its own threads, once per content (an LRU of compiled
+  matchers; a request gets a copy), so compiling runs beside image decoding, encoding
+  and prefill, and a cached grammar costs nothing;
+- ``Constraint`` is one request's matcher: ``mask`` sets every token the grammar does
+  not allow next to -inf in the sliced logits, ``advance`` feeds it the chosen token and
+  says whether the grammar is complete (the answer ends there: nothing else may follow).
+
+JSON is compact (no free whitespace between tokens): a weak or random-weight model
+otherwise fills the budget with spaces and the answer never closes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from qvld.errors import BadRequest
+
+FormatType = Literal["json_schema", "json_object", "regex", "grammar"]
+FORMAT_TYPES: tuple[FormatType, ...] = ("json_schema", "json_object", "regex", "grammar")
+# Sources past these are refused before anything compiles them.
+MAX_SOURCE_BYTES = 128 * 1024
+MAX_SCHEMA_DEPTH = 64  # JSON nesting; llguidance's own parser stops at 128
+FORMAT_KEYS: dict[str, frozenset[str]] = {
+    "json_schema": frozenset({"type", "schema"}), "json_object": frozenset({"type"}),
+    "regex": frozenset({"type", "pattern"}), "grammar": frozenset({"type", "grammar"}),
+    "text": frozenset({"type"}),
+}
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What the answer must match: the kind, and its source as llguidance takes it (a
+    JSON Schema as JSON text, in the client's key order: properties come out in it)."""
+
+    type: FormatType
+    source: str
+
+    @property
+    def key(self) -> str:
+        """The cache key: the same content compiles once."""
+        return hashlib.sha256(f"{self.type}\0{self.source}".encode()).hexdigest()
+
+
+def _depth(value: Any) -> int:
+    """How deep JSON containers nest (iterative: a hostile value cannot overflow)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_SCHEMA_DEPTH:
+            break
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _schema_text(schema: Any) -> str:
+    """A schema (a map, or JSON text: deeper than a protocol frame may nest) -> JSON."""
+    if isinstance(schema, str):
+        if len(schema.encode()) > MAX_SOURCE_BYTES:
+            raise BadRequest(f"response_format.schema is over {MAX_SOURCE_BYTES} bytes")
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError) as exc:
+            raise BadRequest(f"response_format.schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise BadRequest("response_format.schema must be a JSON Schema (an object)")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise BadRequest(f"response_format.schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    try:
+        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (ValueError, TypeError) as exc:  # NaN, bytes or other non-JSON values
+        raise BadRequest(f"response_format.schema is not JSON: {exc}") from None
+    if len(text.encode()) > MAX_SOURCE_BYTES:
+        raise BadRequest(f"response_format.schema is over {MAX_SOURCE_BYTES} bytes")
+    return text
+
+
+def _text_field(value: dict[str, Any], key: str) -> str:
+    text = value.get(key)
+    if not isinstance(text, str) or not text:
+        raise BadRequest(f"response_format.{key} must be a non-empty string")
+    if len(text.encode()) > MAX_SOURCE_BYTES:
+        raise BadRequest(f"response_format.{key} is over {MAX_SOURCE_BYTES} bytes")
+    if "\0" in text:
+        raise BadRequest(f"response_format.{key} must not contain a NUL character")
+    return text
+
+
+def parse_response_format(value: Any) -> ResponseFormat | None:
+    """protocol v1's ``response_format`` -> what to compile; None for free text."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str) or kind not in FORMAT_KEYS:
+        raise BadRequest("response_format must be {type: json_schema, schema}, "
+                         "{type: json_object}, {type: regex, pattern} or "
+                         "{type: grammar, grammar}")
+    assert isinstance(value, dict)
+    extra = sorted(map(str, set(value) - FORMAT_KEYS[kind]))
+    if extra:
+        raise BadRequest(f"response_format of type {kind} takes no {extra[0]!r} "
+                         f"(it has {', '.join(sorted(FORMAT_KEYS[kind]))})")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        if "schema" not in value:
+            raise BadRequest("response_format of type json_schema needs a schema")
+        return ResponseFormat("json_schema", _schema_text(value["schema"]))
+    if kind == "json_object":
+        return ResponseFormat("json_object", '{"type":"object"}')
+    if kind == "regex":
+        return ResponseFormat("regex", _text_field(value, "pattern"))
+    return ResponseFormat("grammar", _text_field(value, "grammar"))
+
+
+# -- compiling ---------------------------------------------------------------------------
+
+def _grammar(fmt: ResponseFormat) -> str:
+    """The llguidance grammar for ``fmt`` (its own errors come from the matcher)."""
+    from llguidance import LLMatcher, grammar_from
+
+    if fmt.type in ("json_schema", "json_object"):
+        return str(LLMatcher.grammar_from_json_schema(
+            fmt.source, overrides={"whitespace_flexible": False}))
+    if fmt.type == "regex":
+        return str(LLMatcher.grammar_from_regex(fmt.source))
+    return grammar_from("grammar", fmt.source)  # Lark, or GBNF converted to Lark
+
+
+@dataclass
+class Compiled:
+    """One content's compile: a matcher to copy, or why it failed; how long it took."""
+
+    matcher: Any | None
+    error: str | None
+    seconds: float
+
+
+class GrammarCompiler:
+    """Compiles response formats for one tokenizer on background threads; keeps the last
+    ``cache_size`` results by content (failures too: a hostile schema sent again costs
+    nothing), and runs one compile per content at a time."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_ids: Sequence[int],
+                 *, cache_size: int = 64, threads: int = 2) -> None:
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="qvld-grammar")
+        self._lock = threading.Lock()
+        self._done: OrderedDict[str, Compiled] = OrderedDict()
+        self._running: dict[str, Future[Compiled]] = {}
+        # The vocabulary's token trie takes ~0.8 s to build for Qwen's 151k tokens:
+        # built on a compile thread, so that it delays neither loading nor any request
+        # without a response format.
+        self._tokenizer = self._pool.submit(self._load_tokenizer, tokenizer_json,
+                                            list(eos_ids))
+        self.compiles = 0  # compiles run (not served from the cache), for tests and stats
+
+    def _load_tokenizer(self, path: Path, eos_ids: list[int]) -> Any:
+        from llguidance import LLTokenizer
+
+        return LLTokenizer(path.read_text(encoding="utf-8"), n_vocab=self.vocab_size,
+                           eos_token=eos_ids)
+
+    def compile(self, fmt: ResponseFormat) -> tuple[Future[Compiled], bool]:
+        """The compile of ``fmt`` (started now, running, or cached) and whether it was
+        cached (done before this request asked)."""
+        key = fmt.key
+        with self._lock:
+            done = self._done.get(key)
+            if done is not None:
+                self._done.move_to_end(key)
+                future: Future[Compiled] = Future()
+                future.set_result(done)
+                return future, True
+            running = self._running.get(key)
+            if running is not None:
+                return running, False
+            future = self._pool.submit(self._compile, fmt)
+            self._running[key] = future
+        return future, False
+
+    def _compile(self, fmt: ResponseFormat) -> Compiled:
+        from llguidance import LLMatcher
+
+        t0 = time.perf_counter()
+        try:
+            matcher = LLMatcher(self._tokenizer.result(), _grammar(fmt), log_level=0)
+            error = matcher.get_error() if matcher.is_error() else None
+        except Exception as exc:  # llguidance raises ValueError; the GBNF converter others
+            matcher, error = None, str(exc) or type(exc).__name__
+        result = Compiled(None if error else matcher, error, time.perf_counter() - t0)
+        with self._lock:
+            self.compiles += 1
+            self._running.pop(fmt.key, None)
+            self._done[fmt.key] = result
+            while len(self._done) > self.cache_size:
+                self._done.popitem(last=False)
+        return result
+
+    def start(self, fmt: ResponseFormat, timeout_s: float) -> Constraint:
+        """One request's constraint, its compile started (or found) now."""
+        future, cached = self.compile(fmt)
+        return Constraint(fmt, future, cached, time.monotonic() + timeout_s, timeout_s,
+                          self.vocab_size)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"cached": len(self._done), "compiling": len(self._running),
+                    "compiles": self.compiles, "cache_size": self.cache_size}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Constraint:
+    """One request's matcher: a copy of the compiled one, advanced token by token."""
+
+    def __init__(self, fmt: ResponseFormat, future: Future[Compiled], cached: bool,
+                 deadline: float, timeout_s: float, vocab_size: int) -> None:
+        self.format = fmt
+        self.cached = cached
+        self._future = future
+        self._deadline = deadline
+        self._timeout_s = timeout_s
+        self._matcher: Any | None = None
+        self._bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        self._vocab_size = vocab_size
+        self.compile_s: float | None = None  # None while not compiled, and when cached
+        self.mask_s: list[float] = []  # each step's mask computation and application
+
+    def failed(self) -> str | None:
+        """Why the compile failed, when it has already finished and failed (cheap: lets
+        a request fail before its images are encoded)."""
+        if not self._future.done():
+            return None
+        return self._future.result().error
+
+    def wait(self) -> None:
+        """Block until compiled (within ``engine.grammar_compile_timeout_s`` of the
+        request's start): ``bad_request`` naming what failed, or on time out."""
+        if self._matcher is not None:
+            return
+        try:
+            compiled = self._future.result(max(0.0, self._deadline - time.monotonic()))
+        except FutureTimeout:
+            raise BadRequest(f"response_format: compiling the {self.format.type} took longer "
+                             f"than engine.grammar_compile_timeout_s "
+                             f"({self._timeout_s:g} s)") from None
+        if compiled.error is not None or compiled.matcher is None:
+            raise BadRequest(f"response_format: the {self.format.type} cannot be used: "
+                             f"{_first_lines(compiled.error or 'no matcher')}")
+        if not self.cached:
+            self.compile_s = compiled.seconds
+        self._matcher = compiled.matcher.deep_copy()
+
+    def mask(self, logits: np.ndarray) -> None:
+        """Every token the grammar does not allow next -> -inf (in place)."""
+        self.wait()
+        assert self._matcher is not None
+        t0 = time.perf_counter()
+        bits = self._bitmask
+        self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        flat = logits.reshape(-1)  # a view: the sampler's logits are one row
+        allowed = np.unpackbits(bits.view(np.uint8), count=flat.size,
+                                bitorder="little").view(bool)
+        np.putmask(flat, ~allowed, -np.inf)
+        self.mask_s.append(time.perf_counter() - t0)
+
+    def advance(self, token: int) -> bool:
+        """Feed the chosen token; True when the grammar is complete (the answer ends)."""
+        assert self._matcher is not None
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token} that its mask allowed: "
+                               f"{self._matcher.get_error()}")
+        return bool(self._matcher.is_stopped())
+
+
+def _first_lines(text: str, lines: int = 4) -> str:
+    """llguidance's errors can quote a whole grammar: the first lines say what failed."""
+    head = text.strip().splitlines()[:lines]
+    return " ".join(line.strip() for line in head)
