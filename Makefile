@@ -9,7 +9,7 @@ PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
 .PHONY: run test test-slow test-reference lint check-packaging install uninstall deb bench bench-llamacpp \
-	bench-concurrency bench-http bench-int8 bench-first-token \
+	bench-concurrency bench-http bench-int8 bench-first-token bench-structured \
 	fixtures clean
 
 $(BASE): pyproject.toml
@@ -114,6 +114,13 @@ bench-first-token: bench-int8
 	  $(BENCH_HF) $(BENCH_MODELS)/qwen3-vl-2b-onnx-int8 --weights int8
 	$(BIN)/python bench/first_token.py $(BENCH_MODELS) --systems qvld,qvld-ort,daemon,genai \
 	  --sizes 448,large --rounds 5 --tokens 32 --json $(BENCH_MODELS)/first_token.json
+
+# What a response format costs: decode with the receipt schema against unconstrained,
+# compile and mask times, then 16 constrained answers validated (BENCHMARKS.md,
+# "Structured output"; about 5 minutes).
+bench-structured: bench-int8
+	$(BIN)/python bench/structured.py $(BENCH_MODELS)/qwen3-vl-2b-int8 --rounds 5 --tokens 64 \
+	  --validate 16 --json $(BENCH_MODELS)/structured.json
 
 # llama.cpp from the copy vendored in llama-cpp-python's sdist, and GGUF conversions
 # (bf16, Q8_0, Q4_K_M, mmproj f16) of the same checkpoint, for `make bench`.

@@ -233,6 +233,8 @@ class App:
                 "sessions_bytes": sessions["bytes"],
                 "session_image_bytes": sessions["image_bytes"],
                 "session_image_budget_bytes": sessions["image_budget_bytes"],
+                # compiled response formats (their content is never shown)
+                "grammars": stats["grammars"],
             }
             batch = stats["batch"]
             if "sequences" in batch:  # a user sees their own running generations only

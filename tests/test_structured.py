@@ -268,6 +268,9 @@ def test_metrics_count_constrained_requests_compiles_and_mask_time(
     assert masks == sum(r["usage"]["completion_tokens"] for r in results)
     assert after[("qvld_grammar_mask_seconds_sum", ())] > before.get(
         ("qvld_grammar_mask_seconds_sum", ()), 0)
+    with daemon.client(timeout=30) as client:
+        grammars = client.status()["caches"]["grammars"]
+    assert grammars["cached"] >= 1 and grammars["compiles"] >= grammars["cached"]
 
 
 def test_two_hundred_answers_all_validate(daemon: HttpDaemon) -> None:

@@ -189,6 +189,11 @@ class GrammarCompiler:
         return LLTokenizer(path.read_text(encoding="utf-8"), n_vocab=self.vocab_size,
                            eos_token=eos_ids)
 
+    def load(self) -> None:
+        """Wait until the vocabulary's trie is built (warm-up: the first request with a
+        response format then pays only its compile)."""
+        self._tokenizer.result()
+
     def compile(self, fmt: ResponseFormat) -> tuple[Future[Compiled], bool]:
         """The compile of ``fmt`` (started now, running, or cached) and whether it was
         cached (done before this request asked)."""

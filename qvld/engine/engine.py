@@ -234,6 +234,7 @@ class Engine:
             "kv_budget_tokens": self.pool.budget_tokens,
             "image_cache": self.images.stats(),
             "sessions": self.sessions.stats(),
+            "grammars": self.grammars.stats(),
             "batch": self.batch_stats(),
         }
         if self.blocks is not None:  # rows held by running generations or kept as prefixes
@@ -503,3 +504,4 @@ class Engine:
         release_file_pages(self.models.weight_files)
         for image in prepared.images:  # nobody will ask about it again
             self.images.discard((self.cache_owner(uid), image.digest))
+        self.grammars.load()  # built beside loading; ready before the daemon says so
