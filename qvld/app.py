@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -30,6 +31,8 @@ from qvld.engine import Engine
 from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
 from qvld.http.server import HttpFront, HttpSetupError, load_http
+from qvld.journal import JournalHandler, stderr_fallback
+from qvld.logfields import FIELDS_ATTR
 from qvld.metrics import Exporter, Metrics
 from qvld.preflight import report, run_checks
 from qvld.prepare import PrepareStage
@@ -49,12 +52,19 @@ RESTART_KEYS = ("server.socket", "server.socket_mode", "metrics.listen", "http.l
 
 
 class _JsonFormatter(logging.Formatter):
+    """One JSON object per line: an RFC 3339 timestamp (UTC, microseconds), the level,
+    the logger, the message, and a request line's fields each as its own key."""
+
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"level": record.levelname.lower(), "logger": record.name,
-                 "message": record.getMessage()}
+        stamp = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        entry: dict[str, Any] = {"ts": stamp.isoformat(timespec="microseconds"),
+                                 "level": record.levelname.lower(), "logger": record.name,
+                                 "message": record.getMessage()}
+        for key, value in getattr(record, FIELDS_ATTR, {}).items():
+            entry.setdefault(key, value)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False)
+        return json.dumps(entry, ensure_ascii=False, default=str)
 
 
 class _JournalFormatter(logging.Formatter):
@@ -70,17 +80,22 @@ class _JournalFormatter(logging.Formatter):
 
 
 def setup_logging(config: Config) -> None:
-    """stderr only; journald-friendly when systemd captures it (JOURNAL_STREAM)."""
-    handler = logging.StreamHandler(sys.stderr)
+    """stderr; under systemd (JOURNAL_STREAM) the journal's native protocol, so that a
+    request line's fields are structured fields too (stderr with priority prefixes when
+    journald cannot be reached); ``logging.format: json`` always JSON lines on stderr."""
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
     formatter: logging.Formatter
     if config.logging.format == "json":
         formatter = _JsonFormatter()
     elif os.environ.get("JOURNAL_STREAM"):
-        formatter = _JournalFormatter("%(name)s: %(message)s")
+        formatter = logging.Formatter("%(name)s: %(message)s")
+        handler = JournalHandler(stderr_fallback(_JournalFormatter("%(name)s: %(message)s")))
     else:
         formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler.setFormatter(formatter)
     root = logging.getLogger("qvld")
+    for old in root.handlers:  # a reload: the old journal socket is let go
+        old.close()
     root.handlers[:] = [handler]
     root.setLevel(config.logging.level.upper())
     root.propagate = False

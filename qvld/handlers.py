@@ -198,10 +198,14 @@ class Handlers:
         if self.metrics is not None:
             self.metrics.observe_generation(result)
         t, usage = result.timings, result.usage
+        # Typed, unit-named: logging.format json writes each as its own key.
         ctx.log_fields.update(
-            prompt=usage.prompt_tokens, image=usage.image_tokens, cached=usage.cached_tokens,
-            generated=usage.completion_tokens, finish=result.finish_reason,
-            queue=f"{t.queue_s:.3f}s", ttft=f"{t.ttft_s:.3f}s", decode=f"{t.decode_s:.3f}s")
+            prompt_tokens=usage.prompt_tokens, image_tokens=usage.image_tokens,
+            cached_tokens=usage.cached_tokens, generated_tokens=usage.completion_tokens,
+            finish=result.finish_reason, queue_s=round(t.queue_s, 6),
+            ttft_s=round(t.ttft_s, 6), decode_s=round(t.decode_s, 6))
+        if result.response_format is not None:
+            ctx.log_fields["response_format"] = result.response_format
         if self.state.config.logging.log_prompts:
             ctx.log_fields["prompt_text"] = repr(_prompt_text(request.messages))
         if result.finish_reason == "cancelled":

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from qvld import protocol
 from qvld.config import ServerConfig
 from qvld.errors import BadRequest, Busy, Forbidden, FrameTooLarge, InternalError, QvlError
+from qvld.logfields import log_request
 
 log = logging.getLogger("qvld.server")
 
@@ -336,12 +337,12 @@ class Server:
             self.on_reply(op, outcome, seconds, conn.peer.uid)
         if op == "health" and outcome == "ok":
             return  # health checks would drown the journal
-        extra = "".join(f" {key}={value}" for key, value in fields.items())
-        log.log(logging.INFO if outcome in ("ok", "cancelled") else logging.WARNING,
-                "request %d/%s uid=%d op=%s outcome=%s time=%.3fs%s", conn.number,
-                "-" if rid is None else rid, conn.peer.uid,
-                protocol.op_label(op),
-                outcome, seconds, extra)
+        log_request("request %d/%s uid=%d op=%s outcome=%s time=%.3fs", (
+            conn.number, "-" if rid is None else rid, conn.peer.uid, protocol.op_label(op),
+            outcome, seconds), {
+            "api": "socket", "connection": conn.number, "request": rid,
+            "uid": conn.peer.uid, "op": protocol.op_label(op), "outcome": outcome,
+            "time_s": round(seconds, 6), **fields})
 
     async def _refuse(self, conn: Connection, exc: QvlError) -> None:
         """Answer the first request (so the client reads why) and nothing more.

@@ -164,7 +164,7 @@ def test_a_client_that_stops_reading_its_stream_is_cut_off(daemon: HttpDaemon) -
     finally:
         conn.close()
     line = daemon.log().split("is not reading its stream")[-1]
-    generated = int(line.split(" generated=")[1].split()[0])
+    generated = int(line.split(" generated_tokens=")[1].split()[0])
     assert generated < 500, line
     still_serving(daemon)
 

@@ -155,7 +155,7 @@ def test_log_lines_never_hold_prompts_by_default(metered: tuple[Daemon, int]) ->
         client.generate({"messages": [{"role": "user", "content": "secret-words-here"}],
                          "max_tokens": 2})
     log = daemon.log()
-    assert "op=generate outcome=ok" in log and "generated=2" in log
+    assert "op=generate outcome=ok" in log and "generated_tokens=2" in log
     assert "secret-words-here" not in log
 
 
@@ -175,3 +175,67 @@ def test_labels_never_come_from_client_input() -> None:
     assert 'qvld_requests_total{api="socket",op="status",outcome="ok"} 1.0' in text
 
 
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_only_the_metrics_path_answers_with_metrics(metered: tuple[Daemon, int]) -> None:
+    """A load balancer's probe aimed at the metrics port must not pass by accident."""
+    _, port = metered
+    status, text = get(port, "/metrics")
+    assert status == 200 and "qvld_ready" in text
+    for path in ("/", "/health", "/metrics/", "/v1/models"):
+        assert get(port, path)[0] == 404, path
+
+
+def test_no_created_series_and_stage_buckets_that_resolve_milliseconds(
+        metered: tuple[Daemon, int]) -> None:
+    daemon, port = metered
+    with daemon.client() as client:
+        client.generate({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    samples = scrape(port)
+    assert not [name for name, _ in samples if name.endswith("_created")]
+    for name in ("qvld_queue_wait_seconds", "qvld_image_encode_seconds",
+                 "qvld_prefill_seconds"):
+        bounds = sorted(float(dict(labels)["le"]) for n, labels in samples
+                        if n == f"{name}_bucket")
+        assert bounds[:3] == [0.001, 0.0025, 0.005], name
+    # An idle worker took the request at once: its wait lands below 5 ms, not in 0-50.
+    assert value(samples, "qvld_queue_wait_seconds_bucket", le="0.005") >= 1
+
+
+def test_json_logs_carry_a_timestamp_and_every_request_field(tmp_path: Path) -> None:
+    import datetime
+
+    daemon = Daemon(tmp_path, args=["--set", "logging.format=json"]).start()
+    try:
+        with daemon.client() as client:
+            client.generate({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                             "response_format": {"type": "regex", "pattern": "[a-z]{1,5}"}})
+            with pytest.raises(ImageInvalid):
+                client.generate({"messages": [{"role": "user", "content": [
+                    {"type": "image", "image": b"junk"}]}]})
+    finally:
+        assert daemon.stop() == 0
+    entries = [json.loads(line) for line in daemon.log().splitlines() if line.strip()]
+    for entry in entries:
+        stamp = datetime.datetime.fromisoformat(entry["ts"])
+        assert stamp.tzinfo is not None and re.fullmatch(
+            r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00", entry["ts"]), entry["ts"]
+        assert entry["level"] in ("debug", "info", "warning", "error", "critical")
+    served = next(e for e in entries if e.get("op") == "generate" and e["outcome"] == "ok")
+    assert served["api"] == "socket" and isinstance(served["uid"], int)
+    assert served["generated_tokens"] >= 1 and isinstance(served["prompt_tokens"], int)
+    assert isinstance(served["ttft_s"], float) and isinstance(served["time_s"], float)
+    assert served["finish"] == "stop" and served["response_format"] == "regex"
+    refused = next(e for e in entries if e.get("outcome") == "image_invalid")
+    assert refused["level"] == "warning" and refused["op"] == "generate"

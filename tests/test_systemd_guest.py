@@ -75,6 +75,14 @@ def test_journal_holds_the_request_log(guest: Guest) -> None:
     journal = guest.run("journalctl -u qvld --no-pager -o cat").stdout
     assert "op=generate outcome=ok" in journal
     assert "tuning pin_cpus:" in journal
+    # Each request's fields are structured fields of its entry (the native protocol).
+    entries = [json.loads(line) for line in guest.run(
+        "journalctl -u qvld --no-pager -o json QVLD_OP=generate").stdout.splitlines()]
+    served = [e for e in entries if e.get("QVLD_OUTCOME") == "ok"]
+    assert served, entries
+    assert served[0]["PRIORITY"] == "6" and served[0]["SYSLOG_IDENTIFIER"] == "qvld"
+    assert float(served[0]["QVLD_TTFT_S"]) > 0 and int(served[0]["QVLD_GENERATED_TOKENS"]) > 0
+    assert served[0]["QVLD_API"] == "socket" and "op=generate" in served[0]["MESSAGE"]
 
 
 def test_reload_keeps_serving(guest: Guest) -> None:

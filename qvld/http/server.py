@@ -50,6 +50,7 @@ from qvld.handlers import DaemonState
 from qvld.http import openai
 from qvld.http.fetch import ImageFetcher, normalize_host_pattern
 from qvld.http.keys import ApiKeys, KeyFileError, UserIds, parse_bearer
+from qvld.logfields import log_request
 from qvld.metrics import Metrics
 from qvld.server import Peer, RequestContext
 
@@ -380,11 +381,12 @@ class HttpFront:
         uid = self.users.id(user) if user is not None else -1
         if self.on_reply is not None:
             self.on_reply(op, outcome, seconds, uid)
-        extra = "".join(f" {key}={value}" for key, value in (fields or {}).items())
-        log.log(logging.INFO if outcome in ("ok", "cancelled") else logging.WARNING,
-                "http %s %s user=%s op=%s outcome=%s time=%.3fs%s", request.method,
-                request.path if op != "unknown" else "-", user or "-", op, outcome,
-                seconds, extra)
+        path = request.path if op != "unknown" else "-"
+        log_request("http %s %s user=%s op=%s outcome=%s time=%.3fs", (
+            request.method, path, user or "-", op, outcome, seconds), {
+            "api": "http", "method": request.method, "path": path, "user": user,
+            "op": op, "outcome": outcome, "time_s": round(seconds, 6), **(fields or {})},
+            logger=log)
 
     async def _read_json(self, request: web.Request) -> Any:
         limit = self.config.max_body_bytes
