@@ -56,6 +56,7 @@ check-packaging:
 	command -v promtool >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 	promtool check rules packaging/prometheus/qvld-alerts.yml
+	cd packaging/prometheus && promtool test rules qvld-alerts.test.yml
 	$(PYTHON) -c "import json,sys; json.load(open('packaging/grafana/qvld-dashboard.json'))"
 
 # As a system service: /opt/qvld/venv, /usr/bin/qvld, units, users, /etc/qvld/qvld.yaml.

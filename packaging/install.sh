@@ -36,6 +36,8 @@ files=(
   "$units/qvld.service" "$units/qvld.socket" "$units/qvld-http.socket"
   /usr/lib/sysusers.d/qvld.conf /usr/lib/tmpfiles.d/qvld.conf
   /usr/bin/qvld /usr/bin/qvlctl /usr/share/doc/qvld/README.md
+  /usr/share/qvld/prometheus/qvld-alerts.yml /usr/share/qvld/prometheus/qvld-alerts.test.yml
+  /usr/share/qvld/grafana/qvld-dashboard.json /usr/share/qvld/systemd/remote-metrics.conf
 )
 
 systemd_running() { [ -z "$destdir" ] && [ -d /run/systemd/system ]; }
@@ -61,6 +63,13 @@ do_install() {
   install_file 0644 "$src/packaging/sysusers.d/qvld.conf" /usr/lib/sysusers.d/qvld.conf
   install_file 0644 "$src/packaging/tmpfiles.d/qvld.conf" /usr/lib/tmpfiles.d/qvld.conf
   install_file 0644 "$src/README.md" /usr/share/doc/qvld/README.md
+  # For the operator to copy: alert rules (with their promtool tests), the dashboard,
+  # and the drop-in that lets a remote Prometheus scrape.
+  local shared
+  for shared in prometheus/qvld-alerts.yml prometheus/qvld-alerts.test.yml \
+      grafana/qvld-dashboard.json systemd/remote-metrics.conf; do
+    install_file 0644 "$src/packaging/$shared" "/usr/share/qvld/$shared"
+  done
 
   # The config (see service-config.sed).
   local dist
@@ -98,6 +107,7 @@ do_uninstall() {
     rm -f "$destdir$f"
   done
   rmdir "$destdir/usr/share/doc/qvld" 2>/dev/null || true
+  rmdir "$destdir"/usr/share/qvld/* "$destdir/usr/share/qvld" 2>/dev/null || true
   rm -rf "$destdir/opt/qvld"
   rm -f "$destdir/etc/qvld/qvld.yaml.dist"
   if [ "$purge" = yes ]; then

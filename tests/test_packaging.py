@@ -19,7 +19,11 @@ INSTALLED = ["/usr/lib/systemd/system/qvld.service", "/usr/lib/systemd/system/qv
              "/usr/lib/systemd/system/qvld-http.socket",
              "/usr/lib/sysusers.d/qvld.conf", "/usr/lib/tmpfiles.d/qvld.conf",
              "/usr/bin/qvld", "/usr/bin/qvlctl",
-             "/usr/share/doc/qvld/README.md", "/opt/qvld/venv/bin/qvld"]
+             "/usr/share/doc/qvld/README.md", "/opt/qvld/venv/bin/qvld",
+             "/usr/share/qvld/prometheus/qvld-alerts.yml",
+             "/usr/share/qvld/prometheus/qvld-alerts.test.yml",
+             "/usr/share/qvld/grafana/qvld-dashboard.json",
+             "/usr/share/qvld/systemd/remote-metrics.conf"]
 # A listing of everything the installer owns, with contents, to compare two runs.
 SNAPSHOT = (
     "find /opt/qvld/venv/bin /usr/lib/systemd/system/qvld.* /usr/lib/sysusers.d/qvld.conf "
@@ -41,6 +45,11 @@ echo "== first"; {SNAPSHOT}
 echo "== verify"; systemd-analyze verify /usr/lib/systemd/system/qvld.service \
     /usr/lib/systemd/system/qvld.socket /usr/lib/systemd/system/qvld-http.socket 2>&1
 echo "verify-rc $?"
+echo "== shipped"; for f in {" ".join(INSTALLED)}; do test -e $f || echo "missing $f"; done
+mkdir -p /etc/systemd/system/qvld.service.d
+cp /usr/share/qvld/systemd/remote-metrics.conf /etc/systemd/system/qvld.service.d/
+systemd-analyze verify /usr/lib/systemd/system/qvld.service 2>&1; echo "drop-in-rc $?"
+rm -r /etc/systemd/system/qvld.service.d
 echo "== security"; systemd-analyze security --offline=yes qvld.service 2>&1 | tail -1
 echo "== preflight"; /usr/bin/qvld preflight --set model.path={TINY} >/dev/null && echo ran
 echo "== mdwe"; /opt/qvld/venv/bin/python -c 'import qvld' && echo importable
@@ -67,6 +76,9 @@ test -e /etc/qvld || test -e /var/lib/qvld || echo purged
     assert "/run/qvld 750 qvld qvl" in sections["first"]
     # systemd-analyze verify prints nothing at all for the installed units.
     assert sections["verify"].strip() == "verify-rc 0", sections["verify"]
+    # Everything is in place, and the remote-metrics drop-in verifies as shipped.
+    # (verify prints nothing for it: no unknown or misplaced directive)
+    assert sections["shipped"].strip() == "drop-in-rc 0", sections["shipped"]
     exposure = float(re.search(r"exposure level for qvld.service: ([\d.]+)",
                                sections["security"]).group(1))  # type: ignore[union-attr]
     assert exposure <= 2.0

@@ -34,6 +34,10 @@ install -d "$root/etc/qvld"
 sed -f "$src/packaging/service-config.sed" "$src/etc/qvld/qvld.yaml" \
   > "$root/etc/qvld/qvld.yaml"
 chmod 0644 "$root/etc/qvld/qvld.yaml"
+for shared in prometheus/qvld-alerts.yml prometheus/qvld-alerts.test.yml \
+    grafana/qvld-dashboard.json systemd/remote-metrics.conf; do
+  install -D -m 0644 "$src/packaging/$shared" "$root/usr/share/qvld/$shared"
+done
 doc=$root/usr/share/doc/qvld
 install -D -m 0644 "$src/README.md" "$doc/README.md"
 printf 'qvld is licensed under the Apache License 2.0.\nOn Debian systems, see /usr/share/common-licenses/Apache-2.0.\nThe bundled Python packages under /opt/qvld/venv carry their own licenses.\n' > "$doc/copyright"
