@@ -6,7 +6,8 @@ lost; 4 the request was refused (bad_request, image_invalid, image_too_large,
 prompt_too_long, frame_too_large, unsupported_version); 5 busy or unavailable (retry
 later; also `health` when not ready, and an answer the daemon cut short, e.g. while
 stopping: `ask --json` still prints it); 6 timeout; 7 forbidden (by the daemon, or the
-socket's permissions: join the group that owns it); 130 interrupted (Ctrl-C).
+socket's permissions: join the group that owns it); 130 interrupted (Ctrl-C);
+141 stdout closed by its reader (`| head`), said nothing.
 
 On a terminal, control characters in answers and in what the daemon reports are shown
 as \\xNN instead of being obeyed; through a pipe the text is exact. An empty
@@ -17,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from qvlctl import exits, render, replies
 from qvlctl.client import AccessDenied, Client, ConnectFailed, MalformedReply, default_socket
@@ -33,10 +38,11 @@ from qvlctl.exits import (
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_RETRY,
+    EXIT_STDOUT_CLOSED,
     EXIT_TIMEOUT,
     EXIT_USAGE,
 )
-from qvld import protocol
+from qvld import __version__, protocol
 from qvld.errors import QvlError
 
 __all__ = ["EXIT_BY_CODE", "EXIT_FORBIDDEN", "EXIT_INTERNAL", "EXIT_INTERRUPTED",
@@ -202,8 +208,8 @@ def cmd_config(client: Client, args: argparse.Namespace) -> int:
     config = client.config()
     if args.json:
         print(json.dumps(config, indent=2))
-    else:
-        out(render.key_values(config))
+    else:  # YAML that qvld reads back (`qvlctl config > qvld.yaml`)
+        out(yaml.safe_dump(config, sort_keys=False, allow_unicode=True).rstrip("\n"))
     return EXIT_OK
 
 
@@ -319,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--socket", default=default_socket(), type=socket_path,
                         help="daemon socket (default: $QVLD_SOCKET or /run/qvld/qvld.sock)")
+    parser.add_argument("--version", action="version", version=f"qvlctl {__version__}")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds to wait for the daemon (default: no limit)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -423,6 +430,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll says POLLERR on its end);
+    then stdout points at /dev/null from now on, so that the interpreter's own flush at
+    exit does not fail once more."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        broken = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no real file behind stdout
+        return False
+    if broken:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return broken
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -430,7 +455,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "offline", None) is not None:
             return int(args.offline(args))
         with Client(args.socket, timeout=args.timeout) as client:
-            return int(args.func(client, args))
+            status = int(args.func(client, args))
+        sys.stdout.flush()  # here, where a closed stdout is still ours to handle
+        return status
+    except BrokenPipeError:
+        if not stdout_closed():
+            warn("connection lost: the daemon closed the connection")
+            return EXIT_NO_DAEMON
+        return EXIT_STDOUT_CLOSED  # `qvlctl status | head`: the reader had enough
     except UsageError as exc:
         warn(str(exc))
         return EXIT_USAGE

@@ -9,6 +9,7 @@ from __future__ import annotations
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NO_DAEMON = 0, 1, 2, 3
 EXIT_REFUSED, EXIT_RETRY, EXIT_TIMEOUT, EXIT_FORBIDDEN = 4, 5, 6, 7
 EXIT_INTERRUPTED = 130  # the shell's convention for a process ended by Ctrl-C (128 + SIGINT)
+EXIT_STDOUT_CLOSED = 141  # as a writer killed by SIGPIPE (128 + 13): `qvlctl ... | head`
 
 EXIT_BY_CODE = {
     "bad_request": EXIT_REFUSED, "image_invalid": EXIT_REFUSED,

@@ -565,3 +565,45 @@ def test_the_client_checks_its_line_on_descriptors_past_1023() -> None:
         for sock in (high, a, b):
             sock.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# -- polish: --version, config as YAML, a closed stdout -------------------------------------
+
+
+def test_version() -> None:
+    from qvld import __version__
+
+    out = subprocess.run([sys.executable, "-m", "qvlctl.cli", "--version"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == f"qvlctl {__version__}"
+
+
+def test_config_prints_yaml_that_qvld_reads_back(fake: Callable[[Responder], Path],
+                                                 tmp_path: Path) -> None:
+    import yaml
+
+    from qvld.config import load_config
+
+    effective = {"engine": {"max_new_tokens": 300, "grammar_compile_timeout_s": 2.5},
+                 "server": {"allow_uids": [1000, 1001], "socket": "/run/qvld/x.sock"},
+                 "logging": {"format": "json"}, "tuning": {"numa_node": None}}
+    sock = fake(answers([], others={"config": effective}))
+    out = run_qvlctl(sock, "config")
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout) == effective
+    path = tmp_path / "qvld.yaml"
+    path.write_bytes(out.stdout)
+    config = load_config(path)
+    assert config.engine.max_new_tokens == 300 and config.server.allow_uids == [1000, 1001]
+
+
+def test_a_closed_stdout_is_not_a_lost_daemon(fake: Callable[[Responder], Path]) -> None:
+    sock = fake(answers([], others={"config": {"engine": {"threads": "auto"}}}))
+    reader, writer = os.pipe()
+    os.close(reader)  # `| head` that has already had enough
+    try:
+        proc = subprocess.run(qvlctl_argv(sock, "config"), stdout=writer, stderr=subprocess.PIPE,
+                              timeout=60, check=False)
+    finally:
+        os.close(writer)
+    assert proc.returncode == 141 and proc.stderr == b""
