@@ -10,7 +10,7 @@ PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 
 .PHONY: run test test-slow test-reference lint check-packaging install uninstall deb bench bench-llamacpp \
 	bench-concurrency bench-http bench-int8 bench-first-token bench-structured \
-	fixtures clean
+	fixtures clean docs
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ test-reference: $(CONVERT)
 lint: $(BASE)
 	$(BIN)/ruff check qvld qvlctl tests tools bench
 	$(BIN)/mypy
+
+# Manual pages (qvld.8, qvlctl.1, qvld.yaml.5) and bash/zsh completion, generated from
+# the parsers and the config schema (the installer and the package build them too).
+docs: $(BASE)
+	$(BIN)/python tools/gen_docs.py build/docs
 
 # The alert rules must load in Prometheus (promtool comes with Debian's prometheus).
 check-packaging:

@@ -38,6 +38,9 @@ files=(
   /usr/bin/qvld /usr/bin/qvlctl /usr/share/doc/qvld/README.md
   /usr/share/qvld/prometheus/qvld-alerts.yml /usr/share/qvld/prometheus/qvld-alerts.test.yml
   /usr/share/qvld/grafana/qvld-dashboard.json /usr/share/qvld/systemd/remote-metrics.conf
+  /usr/share/man/man8/qvld.8 /usr/share/man/man1/qvlctl.1 /usr/share/man/man5/qvld.yaml.5
+  /usr/share/bash-completion/completions/qvld /usr/share/bash-completion/completions/qvlctl
+  /usr/share/zsh/vendor-completions/_qvld /usr/share/zsh/vendor-completions/_qvlctl
 )
 
 systemd_running() { [ -z "$destdir" ] && [ -d /run/systemd/system ]; }
@@ -70,6 +73,23 @@ do_install() {
       grafana/qvld-dashboard.json systemd/remote-metrics.conf; do
     install_file 0644 "$src/packaging/$shared" "/usr/share/qvld/$shared"
   done
+  # Manual pages and completion, generated from the parsers and the config schema with
+  # build-time tools kept out of the service's virtualenv.
+  local docs
+  docs=$(mktemp -d)
+  "$destdir$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    --target "$docs/lib" -r "$src/packaging/docs-requirements.txt"
+  PYTHONPATH="$docs/lib" "$destdir$venv/bin/python" "$src/tools/gen_docs.py" "$docs/out" \
+    >/dev/null
+  install_file 0644 "$docs/out/man/qvld.8" /usr/share/man/man8/qvld.8
+  install_file 0644 "$docs/out/man/qvlctl.1" /usr/share/man/man1/qvlctl.1
+  install_file 0644 "$docs/out/man/qvld.yaml.5" /usr/share/man/man5/qvld.yaml.5
+  local name
+  for name in qvld qvlctl; do
+    install_file 0644 "$docs/out/completion/$name" "/usr/share/bash-completion/completions/$name"
+    install_file 0644 "$docs/out/completion/_$name" "/usr/share/zsh/vendor-completions/_$name"
+  done
+  rm -rf "$docs"
 
   # The config (see service-config.sed).
   local dist

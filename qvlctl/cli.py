@@ -319,6 +319,9 @@ def socket_path(value: str) -> str:
     return value
 
 
+JSON_HELP = "print the result as JSON (for scripts)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qvlctl", description="Query and manage the qvld vision-language daemon.",
@@ -328,19 +331,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"qvlctl {__version__}")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds to wait for the daemon (default: no limit)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do (qvlctl COMMAND --help for its options)")
+    model_default = "default: the model's generation_config.json"
 
     sampling = argparse.ArgumentParser(add_help=False)
-    sampling.add_argument("--max-tokens", dest="max_tokens", type=int)
-    sampling.add_argument("--temperature", type=float, help="0 = greedy")
-    sampling.add_argument("--top-p", dest="top_p", type=float)
-    sampling.add_argument("--top-k", dest="top_k", type=int)
-    sampling.add_argument("--repetition-penalty", dest="repetition_penalty", type=float)
-    sampling.add_argument("--presence-penalty", dest="presence_penalty", type=float)
-    sampling.add_argument("--frequency-penalty", dest="frequency_penalty", type=float)
-    sampling.add_argument("--seed", type=int)
+    sampling.add_argument("--max-tokens", dest="max_tokens", type=int,
+                          help="tokens to generate at most (default: the daemon's "
+                               "engine.default_max_tokens)")
+    sampling.add_argument("--temperature", type=float, help=f"0 = greedy ({model_default})")
+    sampling.add_argument("--top-p", dest="top_p", type=float,
+                          help=f"nucleus sampling mass, (0, 1] ({model_default})")
+    sampling.add_argument("--top-k", dest="top_k", type=int,
+                          help=f"sample among the k likeliest tokens, 0 = off ({model_default})")
+    sampling.add_argument("--repetition-penalty", dest="repetition_penalty", type=float,
+                          help=f"> 1 discourages repeats of prompt and answer ({model_default})")
+    sampling.add_argument("--presence-penalty", dest="presence_penalty", type=float,
+                          help="-2..2, per token already generated (default: 0)")
+    sampling.add_argument("--frequency-penalty", dest="frequency_penalty", type=float,
+                          help="-2..2, times how often a token was generated (default: 0)")
+    sampling.add_argument("--seed", type=int,
+                          help="makes sampling repeatable (default: a fresh random seed)")
     sampling.add_argument("--stop", action="append", help="stop string (repeatable)")
-    sampling.add_argument("--max-image-tokens", dest="max_image_tokens", type=int)
+    sampling.add_argument("--max-image-tokens", dest="max_image_tokens", type=int,
+                          help="each image's token budget (default: the daemon's "
+                               "engine.default_image_tokens)")
     sampling.add_argument("--system", help="a system prompt")
     sampling.add_argument("--session", help="session id for multi-turn reuse")
 
@@ -371,12 +386,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     model = sub.add_parser("model", help="convert, inspect and verify model directories")
-    msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION",
+                                help="what to do with a model directory")
     conv = msub.add_parser("convert", help="checkpoint (directory or hub id) -> OpenVINO "
                                            "export qvld serves (needs the convert extra)")
-    conv.add_argument("src")
-    conv.add_argument("dst", type=Path)
-    conv.add_argument("--weights", choices=["int4", "int8", "fp16", "fp32"], default="int8")
+    conv.add_argument("src", help="a Hugging Face checkpoint: a directory or a hub id")
+    conv.add_argument("dst", type=Path, help="the model directory to write")
+    conv.add_argument("--weights", choices=["int4", "int8", "fp16", "fp32"], default="int8",
+                      help="weight compression (default: int8)")
     conv.add_argument("--asym", action="store_true",
                       help="asymmetric quantisation with zero points (optimum's default; "
                            "slower to decode here)")
@@ -388,24 +405,26 @@ def build_parser() -> argparse.ArgumentParser:
                       help="int4: keep lm_head and the embeddings in int8 (slower)")
     onnx = msub.add_parser("export-onnx", help="checkpoint -> ONNX graphs for "
                                                "model.backend: onnxruntime (convert extra)")
-    onnx.add_argument("src")
-    onnx.add_argument("dst", type=Path)
+    onnx.add_argument("src", help="a Hugging Face checkpoint: a directory or a hub id")
+    onnx.add_argument("dst", type=Path, help="the directory to write the graphs to")
     onnx.add_argument("--weights", choices=["fp32", "int8"], default="int8",
                       help="int8 (default): onnxruntime's dynamic quantisation of every "
                            "MatMul weight, per output channel")
     minfo = msub.add_parser("info", help="what a model directory holds")
-    minfo.add_argument("dir", type=Path)
-    minfo.add_argument("--json", action="store_true")
+    minfo.add_argument("dir", type=Path, help="a model directory")
+    minfo.add_argument("--json", action="store_true", help=JSON_HELP)
     mver = msub.add_parser("verify", help="run reference cases, report token agreement")
-    mver.add_argument("dir", type=Path)
-    mver.add_argument("--reference", type=Path)
+    mver.add_argument("dir", type=Path, help="a model directory")
+    mver.add_argument("--reference", type=Path,
+                      help="reference.json with the expected token ids (default: the one "
+                           "in DIR)")
     mver.add_argument("--backend", choices=["openvino", "onnxruntime"], default="openvino",
                       help="the runtime to verify (onnxruntime: the onnx_*.onnx graphs)")
-    mver.add_argument("--json", action="store_true")
+    mver.add_argument("--json", action="store_true", help=JSON_HELP)
     model.set_defaults(func=None, offline=cmd_model)
 
     pre = sub.add_parser("preflight", help="the daemon's system checks and applied tuning")
-    pre.add_argument("--json", action="store_true")
+    pre.add_argument("--json", action="store_true", help=JSON_HELP)
     pre.set_defaults(func=cmd_preflight)
 
     metrics = sub.add_parser("metrics", help="Prometheus metrics (or a short summary)")
@@ -415,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions = sub.add_parser("sessions", help="list your sessions, or close one")
     sessions.add_argument("--close", metavar="ID", help="close this session")
     sessions.add_argument("--all", action="store_true", help="everyone's (admin)")
-    sessions.add_argument("--json", action="store_true")
+    sessions.add_argument("--json", action="store_true", help=JSON_HELP)
     sessions.set_defaults(func=cmd_sessions)
 
     for name, func, text in (("health", cmd_health, "daemon state; exit 0 only when ready"),
@@ -425,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "reload config and model (admin); the old one serves on "
                               "failure")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--json", action="store_true")
+        p.add_argument("--json", action="store_true", help=JSON_HELP)
         p.set_defaults(func=func)
     return parser
 

@@ -46,6 +46,15 @@ chown -R qvld:qvld /var/lib/qvld/models
 sed -i 's|^  listen: .*|  listen: ""  # edited by the admin|' /etc/qvld/qvld.yaml
 """)
         assert machine.run("systemctl is-active qvld.socket").stdout.strip() == "active"
+        # The generated manual pages render from where the package put them; completion
+        # loads.
+        assert "qvlctl ask" in machine.run("MANWIDTH=100 man -P cat qvlctl").stdout
+        assert "engine.grammar_compile_timeout_s" in machine.run(
+            "MANWIDTH=100 man -P cat 5 qvld.yaml").stdout
+        assert "check-config" in machine.run("MANWIDTH=100 man -P cat 8 qvld").stdout
+        assert "_shtab_qvlctl" in machine.run(
+            "bash -c 'source /usr/share/bash-completion/completions/qvlctl; "
+            "complete -p qvlctl'").stdout
         assert machine.run("stat -c '%a %G' /run/qvld/qvld.sock").stdout.strip() == "660 qvl"
         machine.run(f"qvlctl ask {ROOT}/examples/receipt.png 'Total?' --max-tokens 4")
         assert machine.run("systemctl is-active qvld.service").stdout.strip() == "active"

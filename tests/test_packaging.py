@@ -23,7 +23,11 @@ INSTALLED = ["/usr/lib/systemd/system/qvld.service", "/usr/lib/systemd/system/qv
              "/usr/share/qvld/prometheus/qvld-alerts.yml",
              "/usr/share/qvld/prometheus/qvld-alerts.test.yml",
              "/usr/share/qvld/grafana/qvld-dashboard.json",
-             "/usr/share/qvld/systemd/remote-metrics.conf"]
+             "/usr/share/qvld/systemd/remote-metrics.conf",
+             "/usr/share/man/man8/qvld.8", "/usr/share/man/man1/qvlctl.1",
+             "/usr/share/man/man5/qvld.yaml.5",
+             "/usr/share/bash-completion/completions/qvlctl",
+             "/usr/share/zsh/vendor-completions/_qvlctl"]
 # A listing of everything the installer owns, with contents, to compare two runs.
 SNAPSHOT = (
     "find /opt/qvld/venv/bin /usr/lib/systemd/system/qvld.* /usr/lib/sysusers.d/qvld.conf "

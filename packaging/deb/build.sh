@@ -38,6 +38,23 @@ for shared in prometheus/qvld-alerts.yml prometheus/qvld-alerts.test.yml \
     grafana/qvld-dashboard.json systemd/remote-metrics.conf; do
   install -D -m 0644 "$src/packaging/$shared" "$root/usr/share/qvld/$shared"
 done
+# Manual pages (compressed, as Debian's policy asks) and completion, generated with
+# build-time tools kept out of the package's virtualenv.
+# (The package's venv has no pip left, and must not gain __pycache__ from this run.)
+"$python" -m venv "$work/docs-venv"
+"$work/docs-venv/bin/pip" install --quiet --disable-pip-version-check \
+  --target "$work/docs-lib" -r "$src/packaging/docs-requirements.txt"
+PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$work/docs-lib" "$root$venv/bin/python" \
+  "$src/tools/gen_docs.py" "$work/docs" >/dev/null
+for page in qvld.8 qvlctl.1 qvld.yaml.5; do
+  install -D -m 0644 "$work/docs/man/$page" "$root/usr/share/man/man${page##*.}/$page"
+  gzip -9n "$root/usr/share/man/man${page##*.}/$page"
+done
+for name in qvld qvlctl; do
+  install -D -m 0644 "$work/docs/completion/$name" \
+    "$root/usr/share/bash-completion/completions/$name"
+  install -D -m 0644 "$work/docs/completion/_$name" "$root/usr/share/zsh/vendor-completions/_$name"
+done
 doc=$root/usr/share/doc/qvld
 install -D -m 0644 "$src/README.md" "$doc/README.md"
 printf 'qvld is licensed under the Apache License 2.0.\nOn Debian systems, see /usr/share/common-licenses/Apache-2.0.\nThe bundled Python packages under /opt/qvld/venv carry their own licenses.\n' > "$doc/copyright"
