@@ -10,7 +10,7 @@ PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 
 .PHONY: run test test-slow test-reference lint check-packaging install uninstall deb bench bench-llamacpp \
 	bench-concurrency bench-http bench-int8 bench-first-token bench-structured \
-	fixtures clean docs
+	fixtures clean docs lock
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,15 @@ test-reference: $(CONVERT)
 lint: $(BASE)
 	$(BIN)/ruff check qvld qvlctl tests tools bench
 	$(BIN)/mypy
+
+# requirements.lock: every runtime dependency pinned with its hashes, resolved for the
+# system python3 (Debian 12's 3.11); the installer and the Debian package install
+# exactly this (pip --require-hashes). Run after changing pyproject.toml's dependencies.
+lock:
+	rm -rf build/lock-venv && python3 -m venv build/lock-venv
+	build/lock-venv/bin/pip install -q pip-tools==7.6.2
+	build/lock-venv/bin/pip-compile --quiet --generate-hashes --strip-extras \
+	  --no-emit-index-url --no-emit-find-links --allow-unsafe -o requirements.lock pyproject.toml
 
 # Manual pages (qvld.8, qvlctl.1, qvld.yaml.5) and bash/zsh completion, generated from
 # the parsers and the config schema (the installer and the package build them too).

@@ -54,8 +54,13 @@ do_install() {
   if [ ! -x "$destdir$venv/bin/python" ]; then
     "$python" -m venv "$destdir$venv"
   fi
+  # Exactly what requirements.lock pins (hash-checked), qvld, then the venv pruned of
+  # what a service does not need (packaging/prune-venv.sh).
   "$destdir$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    --upgrade "$src"
+    --no-deps --require-hashes -r "$src/requirements.lock"
+  "$destdir$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    --no-deps --upgrade "$src"
+  "$src/packaging/prune-venv.sh" "$destdir$venv"
   mkdir -p "$destdir/usr/bin"
   ln -sfn "$venv/bin/qvld" "$destdir/usr/bin/qvld"
   ln -sfn "$venv/bin/qvlctl" "$destdir/usr/bin/qvlctl"

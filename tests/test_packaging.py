@@ -140,3 +140,26 @@ print("ran")
                            str(TINY)], capture_output=True, text=True, timeout=120,
                           check=False)
     assert free.returncode == 0 and "ran" in free.stdout, free.stderr
+
+
+def test_the_lock_pins_every_runtime_dependency_within_its_range() -> None:
+    """requirements.lock (what the installer and the package install, hash-checked)
+    cannot drift from pyproject.toml: each dependency is pinned there, with a hash, at a
+    version its specifier allows (after a change: make lock)."""
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    lock = (ROOT / "requirements.lock").read_text()
+    pinned = {canonicalize_name(name): version for name, version in
+              re.findall(r"^([A-Za-z0-9_.-]+)==([^ \\\n]+)", lock, re.M)}
+    assert len(pinned) == len(re.findall(r"^[A-Za-z0-9_.-]+==", lock, re.M))
+    entries = re.split(r"\n(?=[A-Za-z0-9_.-]+==)", lock)
+    assert all("--hash=sha256:" in e for e in entries if re.match(r"[A-Za-z0-9_.-]+==", e))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for line in project["dependencies"]:
+        requirement = Requirement(line)
+        name = canonicalize_name(requirement.name)
+        assert name in pinned, f"{name} is not in requirements.lock (make lock)"
+        assert requirement.specifier.contains(pinned[name], prereleases=True), (
+            f"{name}=={pinned[name]} is outside {requirement.specifier} (make lock)")

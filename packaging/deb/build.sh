@@ -14,8 +14,13 @@ venv=/opt/qvld/venv
 
 # The virtualenv, built in the staging tree and then moved in place: only its scripts'
 # shebangs name the staging path.
+# Exactly the versions requirements.lock pins, each checked against its hash (the same
+# resolution on every build), then qvld itself, then what a service does not need.
 "$python" -m venv "$root$venv"
-"$root$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$src"
+"$root$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+  --require-hashes -r "$src/requirements.lock"
+"$root$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$src"
+"$src/packaging/prune-venv.sh" "$root$venv"
 "$root$venv/bin/python" -m pip uninstall --quiet -y pip setuptools wheel >/dev/null 2>&1 || true
 grep -rlI --null "$root$venv" "$root$venv/bin" "$root$venv/pyvenv.cfg" |
   xargs -0 -r sed -i "s|$root$venv|$venv|g"

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What a service's virtualenv does not need, removed after it is installed from
+# requirements.lock; shared by the installer and the Debian package.
+#   packaging/prune-venv.sh VENV
+# - the model-download stack tokenizers declares but never imports at run time
+#   (huggingface-hub and what it pulls in: qvld never downloads; `qvlctl model convert`
+#   needs the convert extra anyway);
+# - console scripts other than qvld, qvlctl and python (benchmark_app, ovc, hf, tqdm, ...)
+#   and the activate scripts: nobody runs them from a service's venv;
+# - OpenVINO's GPU and NPU plugins and its GPU kernel cache, its model frontends other
+#   than IR (qvld reads IR; ONNX graphs go to ONNX Runtime), its C++ headers and its
+#   tools package: qvld runs on the CPU plugin alone;
+# - the packages' own test suites and type stubs, Pillow's AVIF and font rendering
+#   (qvld decodes PNG, JPEG, WebP, GIF and BMP and draws no text);
+# - bytecode caches (compiled again by the installer, or by postinst for the package).
+# The wheels' shared libraries are not stripped: auditwheel rewrote them with patchelf,
+# and strip --strip-unneeded corrupts such files (numpy's bundled OpenBLAS then fails to
+# load: "ELF load command address/offset not page-aligned", tried here).
+set -euo pipefail
+venv=$1
+site=$(echo "$venv"/lib/python3*/site-packages)
+"$venv/bin/python" -m pip uninstall --quiet --yes huggingface-hub hf-xet httpx httpcore h11 \
+  anyio click fsspec filelock tqdm 2>/dev/null
+find "$venv/bin" -mindepth 1 -maxdepth 1 \
+  ! -name qvld ! -name qvlctl ! -name 'python*' -exec rm -f {} +
+ov=$site/openvino
+rm -f "$ov"/libs/libopenvino_intel_gpu_plugin.so "$ov"/libs/libopenvino_intel_npu_plugin.so \
+  "$ov"/libs/cache.json
+for frontend in onnx tensorflow tensorflow_lite pytorch paddle jax gguf; do
+  rm -f "$ov"/libs/libopenvino_"$frontend"_frontend.so*
+done
+rm -rf "$ov/include" "$ov/tools"
+find "$site" -type d -name tests -prune -exec rm -rf {} +
+find "$site" -name '*.pyi' -delete
+rm -f "$site"/PIL/_avif.*.so "$site"/PIL/_imagingft.*.so "$site"/pillow.libs/libavif-*.so* \
+  "$site"/pillow.libs/libharfbuzz-*.so* "$site"/pillow.libs/libfreetype-*.so*
+find "$venv" -name __pycache__ -type d -prune -exec rm -rf {} +
