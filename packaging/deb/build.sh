@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
 # Build the Debian package from the same files the installer uses.
-#   packaging/deb/build.sh [OUT_DIR]        (VERSION=0.1.0-1 by default)
+#   packaging/deb/build.sh [OUT_DIR]
+# VERSION defaults to <pyproject version>-1; the target distribution is appended
+# (+deb12, +deb13, +ubuntu24.04: the one this runs on, whose python3 the venv is built
+# with) unless VERSION already names one.
 set -euo pipefail
 src=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$src/dist}
 upstream=$(sed -n 's/^version = "\(.*\)"/\1/p' "$src/pyproject.toml")
-version=${VERSION:-$upstream-1}
 python=/usr/bin/python3
+# (in a subshell: os-release sets VERSION too)
+target=$(. /etc/os-release; case $ID in debian) echo "deb${VERSION_ID%%.*}" ;;
+                                        *) echo "$ID$VERSION_ID" ;; esac)
+version=${VERSION:-$upstream-1}
+case $version in *+*) ;; *) version=$version+$target ;; esac
+# The venv runs on exactly this python3 minor version: Depends says so.
+pyminor=$("$python" -c 'import sys; print(sys.version_info[1])')
+pymajor=$("$python" -c 'import sys; print(sys.version_info[0])')
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 root=$work/root
@@ -74,7 +84,7 @@ Version: $version
 Architecture: $(dpkg --print-architecture)
 Maintainer: qvld developers <qvld@localhost>
 Installed-Size: $size
-Depends: python3 (>= 3.11), python3 (<< 3.12), systemd
+Depends: python3 (>= $pymajor.$pyminor), python3 (<< $pymajor.$((pyminor + 1))), systemd, init-system-helpers (>= 1.54)
 Section: misc
 Priority: optional
 Homepage: https://example.invalid/qvld
