@@ -115,3 +115,10 @@ def test_the_build_tools_are_pinned_alike_for_tests_and_packages() -> None:
               .read_text().splitlines() if line.strip() and not line.startswith("#")}
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert pinned and all(f'"{pin}"' in pyproject for pin in pinned), pinned
+
+
+@pytest.mark.parametrize(("name", "section"), [("qvld.8", "8"), ("qvlctl.1", "1"),
+                                               ("qvld.yaml.5", "5")])
+def test_each_page_declares_its_own_section(docs: Path, name: str, section: str) -> None:
+    first = (docs / "man" / name).read_text().splitlines()[0]
+    assert re.match(rf'\.TH \S+ "?{section}"? ', first), first

@@ -133,7 +133,7 @@ def program_page(parser: argparse.ArgumentParser, section: int, description: str
     from argparse_manpage.manpage import Manpage
 
     page = str(Manpage(parser, _data={
-        "prog": parser.prog, "section": section, "description": description,
+        "prog": parser.prog, "manual_section": section, "description": description,
         "project_name": "qvld", "version": __version__, "date": build_date(),
         "manual_title": "qvld manual"}))
     if parser.epilog:  # exit codes and the like, as the parser's --help ends

@@ -32,6 +32,8 @@ venv=/opt/qvld/venv
 "$root$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$src"
 "$src/packaging/prune-venv.sh" "$root$venv"
 "$root$venv/bin/python" -m pip uninstall --quiet -y pip setuptools wheel >/dev/null 2>&1 || true
+# Shared libraries are loaded, never executed: not executable (Debian policy 8.1).
+find "$root$venv" -type f -name '*.so*' -exec chmod 0644 {} +
 grep -rlI --null "$root$venv" "$root$venv/bin" "$root$venv/pyvenv.cfg" |
   xargs -0 -r sed -i "s|$root$venv|$venv|g"
 find "$root$venv" -name __pycache__ -type d -prune -exec rm -rf {} +
