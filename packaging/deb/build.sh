@@ -72,9 +72,11 @@ for name in qvld qvlctl; do
     "$root/usr/share/bash-completion/completions/$name"
   install -D -m 0644 "$work/docs/completion/_$name" "$root/usr/share/zsh/vendor-completions/_$name"
 done
+install -D -m 0644 "$src/packaging/deb/lintian-overrides" \
+  "$root/usr/share/lintian/overrides/qvld"
 doc=$root/usr/share/doc/qvld
 install -D -m 0644 "$src/README.md" "$doc/README.md"
-printf 'qvld is licensed under the Apache License 2.0.\nOn Debian systems, see /usr/share/common-licenses/Apache-2.0.\nThe bundled Python packages under /opt/qvld/venv carry their own licenses.\n' > "$doc/copyright"
+printf 'Copyright 2026 the qvld developers.\nqvld is licensed under the Apache License 2.0.\nOn Debian systems, see /usr/share/common-licenses/Apache-2.0.\nThe bundled Python packages under /opt/qvld/venv carry their own licenses.\n' > "$doc/copyright"
 printf 'qvld (%s) unstable; urgency=medium\n\n  * Package built from the qvld source tree.\n\n -- qvld developers <qvld@localhost>  %s\n' \
   "$version" "$(date -R)" | gzip -9n > "$doc/changelog.Debian.gz"
 
@@ -86,7 +88,7 @@ Version: $version
 Architecture: $(dpkg --print-architecture)
 Maintainer: qvld developers <qvld@localhost>
 Installed-Size: $size
-Depends: python3 (>= $pymajor.$pyminor), python3 (<< $pymajor.$((pyminor + 1))), systemd, init-system-helpers (>= 1.54)
+Depends: python3 (>= $pymajor.$pyminor), python3 (<< $pymajor.$((pyminor + 1))), libc6 (>= 2.28), systemd, init-system-helpers (>= 1.54)
 Section: misc
 Priority: optional
 Homepage: https://example.invalid/qvld
