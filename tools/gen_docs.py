@@ -21,7 +21,7 @@ import re
 import sys
 import types
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -77,9 +77,7 @@ def type_name(annotation: Any) -> str:
     origin = get_origin(annotation)
     if origin in (Union, types.UnionType):
         return " | ".join(type_name(a) for a in get_args(annotation))
-    if origin is not None and getattr(origin, "__name__", "") == "Literal":
-        return " | ".join(str(a) for a in get_args(annotation))
-    if str(origin) == "typing.Literal":
+    if origin is Literal:
         return " | ".join(str(a) for a in get_args(annotation))
     if origin is list:
         return f"list of {type_name(get_args(annotation)[0])}"

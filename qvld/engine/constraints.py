@@ -257,7 +257,6 @@ class Constraint:
         self._timeout_s = timeout_s
         self._matcher: Any | None = None
         self._bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
-        self._vocab_size = vocab_size
         self.compile_s: float | None = None  # None while not compiled, and when cached
         self.mask_s: list[float] = []  # each step's mask computation and application
 
