@@ -221,7 +221,10 @@ class ServerConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    listen: str | None = "127.0.0.1:9464"  # none/empty: no HTTP exporter
+    # 8479: outside the Prometheus exporter registry's 9100-9999 (allocated in full;
+    # 9464, the old default, is OpenTelemetry's exporter), absent from /etc/services,
+    # clear of the usual 8000/8080/8443/8888 and below the ephemeral range.
+    listen: str | None = "127.0.0.1:8479"  # none/empty: no HTTP exporter
 
     @field_validator("listen")
     @classmethod

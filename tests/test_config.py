@@ -19,7 +19,7 @@ def test_every_key_has_a_default() -> None:
     assert config.engine.infer_requests == 4
     assert config.server.socket == Path("/run/qvld/qvld.sock")
     assert config.server.socket_mode_bits == 0o660
-    assert config.metrics.listen == "127.0.0.1:9464"
+    assert config.metrics.listen == "127.0.0.1:8479"
 
 
 def test_shipped_file_documents_every_key_with_its_default() -> None:
