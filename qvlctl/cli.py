@@ -200,7 +200,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
     else:
-        out(render.key_values(status))
+        out(render.status_text(status))
     return EXIT_OK
 
 
@@ -242,7 +242,7 @@ def cmd_sessions(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(sessions))
         return EXIT_OK
-    out(render.table(sessions, ["id", "uid", "turns", "tokens", "images", "idle_s", "busy"]))
+    out(render.sessions_table(sessions))
     return EXIT_OK
 
 

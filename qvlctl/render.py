@@ -19,6 +19,7 @@ daemon sent it, so scripts get the real answer. JSON output is exact JSON either
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -84,31 +85,190 @@ def timings_line(result: dict[str, Any]) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def key_values(data: dict[str, Any], indent: int = 0) -> str:
-    """Nested maps as aligned `key: value` lines."""
-    width = max((len(str(k)) for k in data), default=0)
-    lines = []
-    for key, value in data.items():
-        pad = " " * indent
-        if isinstance(value, dict) and value:
-            lines.append(f"{pad}{key}:")
-            lines.append(key_values(value, indent + 2))
-        else:
-            shown = "-" if value is None else (", ".join(map(str, value))
-                                               if isinstance(value, list) else value)
-            lines.append(f"{pad}{str(key) + ':':<{width + 1}} {shown}")
-    return "\n".join(lines)
+def human_duration(seconds: float | None) -> str:
+    """0.25 -> "0.25 s", 75 -> "1 min 15 s", 9000 -> "2 h 30 min", 200000 -> "2 d 7 h"."""
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days} d {hours} h"
+    if hours:
+        return f"{hours} h {minutes} min"
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
-def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    """Rows as an aligned text table (a header, then one line per row)."""
+def human_bytes(count: float | None) -> str:
+    """253440 -> "248 KiB" (binary units, as memory and caches are sized)."""
+    if count is None:
+        return "-"
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 10 else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def clock_time(epoch_s: float, now: float | None = None) -> str:
+    """An event's wall time: the time of day if it was today, else the date too."""
+    at = time.localtime(epoch_s)
+    today = time.localtime(now if now is not None else time.time())
+    if at[:3] == today[:3]:
+        return time.strftime("%H:%M:%S", at)
+    return time.strftime("%Y-%m-%d %H:%M:%S", at)
+
+
+def _yes_no(value: Any) -> str:
+    return "yes" if value else "no"
+
+
+def _count(value: Any, noun: str, plural: str | None = None) -> str:
+    return f"{value} {noun if value == 1 else plural or noun + 's'}"
+
+
+def table(rows: list[dict[str, Any]], columns: list[str],
+          formats: dict[str, Callable[[Any], str]] | None = None,
+          headers: dict[str, str] | None = None) -> str:
+    """Rows as an aligned text table: a header, then one line per row; ``formats`` turns
+    a column's values into text (default ``str``), ``headers`` renames columns."""
     if not rows:
         return "(none)"
-    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
+    formats = formats or {}
+    headers = headers or {}
+    cells = [[formats.get(c, str)(row.get(c)) if c in row else "-" for c in columns]
+             for row in rows]
+    titles = [headers.get(c, c).upper() for c in columns]
+    widths = [max(len(t), *(len(r[i]) for r in cells)) for i, t in enumerate(titles)]
+    lines = ["  ".join(t.ljust(w) for t, w in zip(titles, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(line.rstrip() for line in lines)
+
+
+SESSION_COLUMNS = ["id", "uid", "turns", "tokens", "images", "bytes", "age_s", "idle_s", "busy"]
+
+
+def sessions_table(sessions: list[dict[str, Any]]) -> str:
+    return table(sessions, SESSION_COLUMNS,
+                 formats={"bytes": human_bytes, "age_s": human_duration,
+                          "idle_s": human_duration, "busy": _yes_no},
+                 headers={"bytes": "size", "age_s": "age", "idle_s": "idle"})
+
+
+def _fields(pairs: list[tuple[str, str]]) -> list[str]:
+    width = max(len(label) for label, _ in pairs)
+    return [f"{label:<{width}}  {value}" for label, value in pairs]
+
+
+def _model_line(model: dict[str, Any]) -> list[tuple[str, str]]:
+    runtime = model.get("runtime") or {}
+    parts = [runtime.get("name", "?") + (f" {runtime['version']}" if "version" in runtime
+                                         else "")]
+    if "INFERENCE_PRECISION_HINT" in runtime:
+        parts.append(f"{runtime['INFERENCE_PRECISION_HINT']} compute")
+    if "WEIGHTS" in runtime:
+        parts.append(f"{runtime['WEIGHTS']} weights")
+    lines = [("model", f"{model.get('name', '?')} ({', '.join(parts)})")]
+    details = []
+    if model.get("load_s") is not None:
+        details.append(f"loaded in {human_duration(model['load_s'])}")
+    if "max_context_tokens" in model:
+        details.append(f"{model['max_context_tokens']}-token context")
+    if "infer_requests" in model:
+        details.append(_count(model["infer_requests"], "infer request"))
+    if details:
+        lines.append(("", ", ".join(details)))
+    if model.get("path"):
+        lines.append(("", f"path {model['path']}"))
+    return lines
+
+
+def _cache_lines(caches: dict[str, Any]) -> list[tuple[str, str]]:
+    lines = []
+    image = caches.get("image")
+    if image:
+        ratio = image.get("hit_ratio")
+        lines.append(("images", f"{_count(image['entries'], 'entry', 'entries')}, "
+                      f"{human_bytes(image['bytes'])} of {human_bytes(image['capacity_bytes'])}; "
+                      f"{_count(image['hits'], 'hit')}, {_count(image['misses'], 'miss', 'misses')}"
+                      + (f" ({ratio:.0%})" if ratio is not None else "")))
+    if "kv_cached_tokens" in caches:
+        lines.append(("prefix KV", f"{caches['kv_cached_tokens']} tokens kept "
+                      f"(budget {caches.get('kv_budget_tokens', '?')})"))
+    if "sessions" in caches:
+        lines.append(("sessions", f"{caches['sessions']}, "
+                      f"{human_bytes(caches.get('sessions_bytes'))}; their images "
+                      f"{human_bytes(caches.get('session_image_bytes'))} of "
+                      f"{human_bytes(caches.get('session_image_budget_bytes'))}"))
+    grammars = caches.get("grammars")
+    if grammars:
+        lines.append(("grammars", f"{grammars['cached']} cached of {grammars['cache_size']}, "
+                      f"{grammars['compiling']} compiling, {grammars['compiles']} compiled"))
+    return lines
+
+
+def status_text(status: dict[str, Any], now: float | None = None) -> str:
+    """The status op's document for people: a summary, aligned fields, then tables of
+    what runs now and the last errors (``--json`` is the whole document, for scripts)."""
+    head = [("qvld", f"{status.get('version', '?')}, pid {status.get('pid', '?')}, "
+             f"{status.get('state', '?')}, up {human_duration(status.get('uptime_s'))}")]
+    requests = f"{status.get('requests_total', 0)} served"
+    if "requests_in_flight" in status:
+        requests += f", {status['requests_in_flight']} in flight"
+    head.append(("requests", requests))
+    model = status.get("model")
+    head += _model_line(model) if isinstance(model, dict) else [("model", "not loaded")]
+    pinned = status.get("pinned_cpus")
+    if "threads" in status:
+        head.append(("threads", f"{status['threads']}, pinned to "
+                     + (",".join(map(str, pinned)) if pinned else "no CPUs in particular")))
+    queue = status.get("queue")
+    if queue:
+        head.append(("queue", f"{queue.get('running', 0)} running, "
+                     f"{queue.get('waiting', 0)} waiting, KV reserved "
+                     f"{human_bytes(queue.get('kv_reserved_bytes'))}"))
+    batch = status.get("batch")
+    if batch:
+        blocks = batch.get("kv_blocks") or {}
+        text = (f"{'continuous' if batch.get('continuous_batching') else 'one at a time'}, "
+                f"{batch.get('decoding', 0)} decoding, {batch.get('prefilling', 0)} prefilling, "
+                f"peak {batch.get('peak_sequences', 0)}, {batch.get('steps', 0)} steps")
+        head.append(("batch", text))
+        if blocks:
+            used = blocks["blocks"] - blocks["free"]
+            head.append(("KV blocks", f"{used} of {blocks['blocks']} in use "
+                         f"({batch.get('kv_usage_ratio', used / max(blocks['blocks'], 1)):.0%}), "
+                         f"{blocks.get('cached', 0)} cached, {blocks['block_size']} tokens each"))
+    head += _cache_lines(status.get("caches") or {})
+    preflight = status.get("preflight")
+    if preflight:
+        counts: dict[str, list[str]] = {}
+        for check, result in preflight.items():
+            counts.setdefault(result, []).append(check)
+        head.append(("preflight", "; ".join(
+            f"{len(names)} {result}" + ("" if result in ("ok", "n/a") else
+                                        f" ({', '.join(names)})")
+            for result, names in counts.items()) + " (qvlctl preflight says more)"))
+    parts = ["\n".join(_fields(head))]
+    if status.get("generations"):
+        parts.append("generations:\n" + table(
+            status["generations"], ["uid", "stage", "age_s"],
+            formats={"age_s": human_duration}, headers={"age_s": "age"}))
+    if batch and batch.get("sequences"):
+        parts.append("sequences:\n" + table(
+            batch["sequences"], ["uid", "state", "prompt_tokens", "cached_tokens",
+                                 "fed_tokens", "generated_tokens"],
+            headers={"prompt_tokens": "prompt", "cached_tokens": "cached",
+                     "fed_tokens": "fed", "generated_tokens": "generated"}))
+    if status.get("last_errors"):
+        parts.append("last errors:\n" + table(
+            status["last_errors"], ["at", "op", "code", "uid"],
+            formats={"at": lambda at: clock_time(at, now)}, headers={"at": "when"}))
+    return "\n\n".join(parts)
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

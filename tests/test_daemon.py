@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -202,6 +203,12 @@ def test_hello_status_and_config(daemon: Daemon) -> None:
         assert config["server"]["socket"] == str(daemon.socket)
     out = daemon.qvlctl("status")
     assert out.returncode == 0 and b"ready" in out.stdout
+    shown = out.stdout.decode()
+    # For people: the model and human times, no Python reprs of the JSON document.
+    assert re.search(r"^qvld +\S+, pid \d+, ready, up [\d.]+ (s|min)", shown, re.M), shown
+    assert re.search(r"^model +tiny \(openvino ", shown, re.M), shown
+    assert not re.search(r"\b(True|False|None)\b|\[\]|\{|_s:", shown), shown
+    assert json.loads(daemon.qvlctl("status", "--json").stdout)["state"] == "ready"
 
 
 def test_qvlctl_health_exit_codes(daemon: Daemon, tmp_path: Path) -> None:

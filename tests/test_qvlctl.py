@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pty
+import re
 import select
 import shutil
 import signal
@@ -246,7 +247,7 @@ def test_each_stream_decides_for_itself(fake: Callable[[Responder], Path],
     stdout.truncate(0)
     stdout.seek(0)
     assert cli.main(["--socket", str(sock), "status"]) == 0
-    assert stdout.getvalue() == "state: re\\x1bady\n"
+    assert stdout.getvalue().startswith("qvld      ?, pid ?, re\\x1bady, up -\n")
 
 
 def test_json_answer_on_a_terminal_is_exact_json(fake: Callable[[Responder], Path]) -> None:
@@ -607,3 +608,108 @@ def test_a_closed_stdout_is_not_a_lost_daemon(fake: Callable[[Responder], Path])
     finally:
         os.close(writer)
     assert proc.returncode == 141 and proc.stderr == b""
+
+
+# -- status and sessions for people ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("seconds, shown", [
+    (0.25, "0.25 s"), (2.5, "2.5 s"), (42, "42 s"), (75, "1 min 15 s"), (3600, "1 h 0 min"),
+    (9000, "2 h 30 min"), (200_000, "2 d 7 h"), (None, "-")])
+def test_human_durations(seconds: float | None, shown: str) -> None:
+    assert render.human_duration(seconds) == shown
+
+
+@pytest.mark.parametrize("count, shown", [
+    (0, "0 B"), (1023, "1023 B"), (2048, "2.0 KiB"), (253_440, "248 KiB"),
+    (268_435_456, "256 MiB"), (5 * 2**40, "5120 GiB")])
+def test_human_sizes(count: int, shown: str) -> None:
+    assert render.human_bytes(count) == shown
+
+
+STATUS = {
+    "state": "ready", "ready": True, "version": "0.1.0", "pid": 41, "uptime_s": 7384.2,
+    "requests_total": 12, "requests_in_flight": 2,
+    "model": {"name": "qwen3-vl-2b-int8", "path": "/var/lib/qvld/models/q", "load_s": 3.2,
+              "runtime": {"name": "openvino", "version": "2026.4.1",
+                          "INFERENCE_PRECISION_HINT": "f32", "WEIGHTS": "int8"},
+              "infer_requests": 4, "max_context_tokens": 4096},
+    "generations": [{"uid": 1000, "stage": "running", "age_s": 65.0},
+                    {"uid": 1001, "stage": "queued", "age_s": 0.5}],
+    "queue": {"running": 1, "waiting": 1, "kv_reserved_bytes": 3 * 2**20},
+    "last_errors": [{"at": 1_764_650_000.0, "op": "generate", "code": "image_invalid",
+                     "uid": 1001}],
+    "pinned_cpus": [0, 1], "threads": 2,
+    "preflight": {"cpu_isa": "ok", "smt": "warn", "numa": "ok", "cpu_governor": "n/a"},
+    "caches": {"image": {"entries": 3, "bytes": 5 * 2**20, "capacity_bytes": 2**28, "hits": 1,
+                         "misses": 3, "hit_ratio": 0.25},
+               "kv_cached_tokens": 800, "kv_budget_tokens": 33024, "sessions": 2,
+               "sessions_bytes": 16852, "session_image_bytes": 0,
+               "session_image_budget_bytes": 2**26,
+               "grammars": {"cached": 1, "compiling": 0, "compiles": 1, "cache_size": 64}},
+    "batch": {"continuous_batching": True, "max_batch_tokens": 512, "steps": 99,
+              "peak_sequences": 2, "decoding": 1, "prefilling": 0,
+              "kv_blocks": {"blocks": 1000, "block_size": 32, "held": 40, "pinned": 2,
+                            "cached": 6, "free": 950},
+              "kv_usage_ratio": 0.05,
+              "sequences": [{"uid": 1000, "prompt_tokens": 180, "cached_tokens": 160,
+                             "fed_tokens": 200, "generated_tokens": 20, "state": "decode"}]},
+}
+
+
+def test_status_for_people_is_aligned_fields_and_tables() -> None:
+    now = 1_764_650_100.0  # the same day as the error
+    shown = render.status_text(STATUS, now=now)
+    lines = shown.splitlines()
+    assert lines[0].split() == ["qvld", "0.1.0,", "pid", "41,", "ready,", "up", "2", "h", "3",
+                                "min"]
+    fields = {line.split("  ")[0]: line for line in lines if line and not line[0].isspace()}
+    # values start in one column
+    assert len({line.index(line.split()[1]) for line in
+                (fields[k] for k in ("qvld", "requests", "model", "queue"))}) == 1
+    assert "12 served, 2 in flight" in fields["requests"]
+    assert "qwen3-vl-2b-int8 (openvino 2026.4.1, f32 compute, int8 weights)" in fields["model"]
+    assert "pinned to 0,1" in fields["threads"]
+    assert "KV reserved 3.0 MiB" in fields["queue"]
+    assert "50 of 1000 in use (5%)" in fields["KV blocks"]
+    assert "3 entries, 5.0 MiB of 256 MiB; 1 hit, 3 misses (25%)" in fields["images"]
+    assert "1 warn (smt)" in fields["preflight"]
+    assert "generations:\nUID   STAGE    AGE\n1000  running  1 min 5 s\n1001  queued   0.50 s" \
+        in shown
+    assert "sequences:\nUID   STATE   PROMPT  CACHED  FED  GENERATED\n" \
+           "1000  decode  180     160     200  20" in shown
+    when = render.clock_time(1_764_650_000.0, now)
+    assert re.fullmatch(r"\d\d:\d\d:\d\d", when)
+    assert ("last errors:\nWHEN      OP        CODE           UID\n"
+            f"{when}  generate  image_invalid  1001") in shown
+    assert not re.search(r"\b(True|False|None)\b|\[|\{|_s\b", shown), shown
+
+
+def test_status_for_people_copes_with_what_a_non_admin_or_a_loading_daemon_sends() -> None:
+    shown = render.status_text({"state": "loading", "ready": False, "version": "0.1.0",
+                                "pid": 7, "uptime_s": 0.4, "requests_total": 0, "model": None})
+    assert shown.splitlines()[:3] == ["qvld      0.1.0, pid 7, loading, up 0.40 s",
+                                      "requests  0 served", "model     not loaded"]
+    hidden = {**STATUS, "model": {**STATUS["model"], "path": "(hidden)"}, "last_errors": [],
+              "generations": []}
+    text = render.status_text(hidden)
+    assert "path (hidden)" in text and "last errors" not in text and "generations" not in text
+
+
+def test_an_error_from_another_day_shows_its_date() -> None:
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d",
+                        render.clock_time(1_764_650_000.0, now=1_764_650_000.0 + 3 * 86400))
+
+
+def test_sessions_for_people(fake: Callable[[Responder], Path]) -> None:
+    sock = fake(answers([], others={"sessions": {"sessions": [
+        {"id": "chat-1", "uid": 1000, "turns": 3, "tokens": 900, "images": 1, "bytes": 4096,
+         "age_s": 4000.0, "idle_s": 12.0, "busy": False},
+        {"id": "b", "uid": 0, "turns": 1, "tokens": 5, "images": 0, "bytes": 20,
+         "age_s": 1.5, "idle_s": 0.0, "busy": True}]}}))
+    out = run_qvlctl(sock, "sessions")
+    assert out.returncode == 0
+    assert out.stdout.decode().splitlines() == [
+        "ID      UID   TURNS  TOKENS  IMAGES  SIZE     AGE        IDLE    BUSY",
+        "chat-1  1000  3      900     1       4.0 KiB  1 h 6 min  12 s    no",
+        "b       0     1      5       0       20 B     1.5 s      0.00 s  yes"]

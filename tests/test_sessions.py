@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,15 @@ def test_session_follow_ups_over_the_socket_equal_transformers(daemon: Daemon) -
     for session in SESSIONS:
         assert listed[f"s-{session['name']}"]["turns"] == len(session["turns"])
     out = daemon.qvlctl("sessions")
-    assert out.returncode == 0 and b"TURNS" in out.stdout
+    assert out.returncode == 0
+    header, *rows = out.stdout.decode().splitlines()
+    assert header.split() == ["ID", "UID", "TURNS", "TOKENS", "IMAGES", "SIZE", "AGE", "IDLE",
+                              "BUSY"]
+    first = next(r for r in rows if r.startswith(f"s-{SESSIONS[0]['name']} "))
+    # aligned under the header; sizes and times for people; busy as yes/no
+    assert first.index(first.split()[2]) == header.index("TURNS")
+    assert re.search(r" \d+(\.\d)? (B|KiB|MiB) +[\d.]+ (s|min) ", first), first
+    assert first.split()[-1] in ("yes", "no")
     assert daemon.qvlctl("sessions", "--close", f"s-{SESSIONS[0]['name']}").returncode == 0
     assert daemon.qvlctl("sessions", "--close", "no-such").returncode == 4
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from qvld.engine.model_dir import VisionSpec
 from qvld.errors import ImageInvalid, ImageTooLarge
@@ -125,7 +126,19 @@ def decode(data: bytes, max_decode_pixels: int) -> Image.Image:
         raise ImageTooLarge(f"the image is too large to decode: {exc}") from exc
     except (OSError, SyntaxError, ValueError, TypeError, EOFError, IndexError,
             MemoryError) as exc:
-        raise ImageInvalid(f"the image cannot be decoded: {exc}") from exc
+        raise ImageInvalid(f"the image cannot be decoded: {decode_problem(exc)}") from exc
+
+
+# Pillow's messages may name its in-memory file: "<_io.BytesIO object at 0x7f...>".
+_PYTHON_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>")
+
+
+def decode_problem(exc: BaseException) -> str:
+    """What went wrong, in words for the client (no Python reprs)."""
+    if isinstance(exc, UnidentifiedImageError):
+        return f"not a {', '.join(FORMATS[:-1])} or {FORMATS[-1]} image"
+    text = _PYTHON_REPR.sub("the data", str(exc)).strip()
+    return text or type(exc).__name__
 
 
 def normalize(rgb: np.ndarray, vision: VisionSpec) -> np.ndarray:

@@ -140,8 +140,15 @@ def test_decompression_bomb_is_refused_before_decoding() -> None:
          "aspect_ratio"],
 )
 def test_bad_images_are_image_invalid(data: bytes) -> None:
-    with pytest.raises(ImageInvalid):
+    with pytest.raises(ImageInvalid) as refused:
         prepare(data, SPEC.vision, BUDGET, LIMIT)
+    # Words for the client, never a Python repr of Pillow's in-memory file.
+    assert " object at 0x" not in str(refused.value) and "<" not in str(refused.value)
+
+
+def test_data_that_is_no_image_says_which_formats_are_taken() -> None:
+    with pytest.raises(ImageInvalid, match="not a PNG, JPEG, WEBP, GIF or BMP image"):
+        decode(b"not an image at all", LIMIT)
 
 
 def test_bad_image_in_a_request_leaves_the_engine_serving(tiny_engine: Engine) -> None:
