@@ -11,12 +11,13 @@ import json
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from qvld.engine.model_dir import SUBMODELS
 
@@ -113,6 +114,90 @@ def check_serves(path: Path, backend: str = "openvino") -> str:
     return result.text
 
 
+class ExportProgress:
+    """What an export has done so far, on stderr: the time it has taken, the graphs
+    written (of ``SUBMODELS``) and the bytes on disk, found by watching the directory it
+    writes to (optimum exports into a temporary directory first: ``write_model`` puts
+    that inside the partial directory, so it is watched too). On a terminal one line is
+    redrawn in place; elsewhere (a log, a pipe) a line per graph and one a minute."""
+
+    GRAPH_PATTERNS = ("openvino_*.xml", "onnx_*.onnx")
+
+    def __init__(self, root: Path, stream: IO[str] | None = None, interval_s: float = 0.5,
+                 heartbeat_s: float = 60.0) -> None:
+        self.root = root
+        self.stream = stream or sys.stderr
+        self.interval_s = interval_s
+        self.heartbeat_s = heartbeat_s
+        try:
+            self.live = self.stream.isatty()
+        except (AttributeError, ValueError, OSError):
+            self.live = False
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="export-progress", daemon=True)
+        self._t0 = time.monotonic()
+        self._last_line = self._t0
+
+    def graphs(self) -> tuple[set[str], int]:
+        """The submodels with a graph written under ``root``, and the bytes written."""
+        names, size = set(), 0
+        for path in self.root.rglob("*"):
+            try:
+                if path.is_file():
+                    size += path.stat().st_size
+            except OSError:  # renamed or removed under us
+                continue
+            if any(path.match(pattern) for pattern in self.GRAPH_PATTERNS):
+                stem = path.stem.split("_", 1)[-1].removesuffix(".int8")
+                if stem in SUBMODELS:
+                    names.add(stem)
+        return names, size
+
+    def line(self, names: set[str], size: int) -> str:
+        elapsed = int(time.monotonic() - self._t0)
+        state = (f"{len(names)} of {len(SUBMODELS)} graphs written" if names
+                 else "loading and tracing the checkpoint")
+        return (f"{elapsed // 60}:{elapsed % 60:02d} elapsed, {state}, "
+                f"{size / 2**20:.0f} MiB on disk")
+
+    def poll(self) -> None:
+        names, size = self.graphs()
+        now = time.monotonic()
+        if self.live:
+            self.stream.write(f"\r\x1b[Kqvlctl model: {self.line(names, size)}")
+            self.stream.flush()
+        else:
+            for name in sorted(names - self.seen):
+                self.say(f"{name} written ({self.line(names, size)})")
+                self._last_line = now
+            if now - self._last_line >= self.heartbeat_s:
+                self.say(f"still exporting ({self.line(names, size)})")
+                self._last_line = now
+        self.seen |= names
+
+    def say(self, text: str) -> None:
+        self.stream.write(f"qvlctl model: {text}\n")
+        self.stream.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def __enter__(self) -> ExportProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if kind is None and not self.live:  # what the last moments wrote
+            self.poll()
+        if self.live:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
 def write_model(src: str, dst: Path, what: str, export: Callable[[Path, Path], None],
                 backend: str = "openvino") -> int:
     """Export ``src`` into ``dst`` with ``export(source, directory)``, then check it
@@ -126,8 +211,19 @@ def write_model(src: str, dst: Path, what: str, export: Callable[[Path, Path], N
     partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
         t0 = time.perf_counter()
-        _say(f"exporting {source} {what} (this takes a while)")
-        export(source, partial)
+        _say(f"exporting {source} {what}")
+        # Exporters' temporary directories inside the partial one: watched for progress,
+        # and removed with it if the export fails.
+        scratch = partial / ".tmp"
+        scratch.mkdir()
+        saved_tempdir = tempfile.tempdir
+        tempfile.tempdir = str(scratch)
+        try:
+            with ExportProgress(partial):
+                export(source, partial)
+        finally:
+            tempfile.tempdir = saved_tempdir
+        shutil.rmtree(scratch, ignore_errors=True)
         _say(f"exported in {time.perf_counter() - t0:.0f} s; checking it answers")
         answer = check_serves(partial, backend)
         partial.rename(dst)

@@ -46,6 +46,9 @@ def test_convert_each_weight_format_and_serve_it(checkpoint: Path, tmp_path: Pat
     out = qvlctl("model", "convert", str(checkpoint), str(dst), "--weights", weights)
     assert out.returncode == 0, out.stderr
     assert "serves" in out.stderr
+    # progress through optimum's own temporary directory, a line per graph
+    assert out.stderr.count(" written (") == len(SUBMODELS), out.stderr
+    assert f"{len(SUBMODELS)} of {len(SUBMODELS)} graphs written" in out.stderr
     assert not list(tmp_path.glob(".*partial*"))
     info = json.loads(qvlctl("model", "info", str(dst), "--json").stdout)
     assert info["loadable"] and info["model_type"] == "qwen3_vl"
