@@ -76,7 +76,7 @@ check-packaging:
 	cd packaging/prometheus && promtool test rules qvld-alerts.test.yml
 	$(PYTHON) -c "import json,sys; json.load(open('packaging/grafana/qvld-dashboard.json'))"
 
-# As a system service: /opt/qvld/venv, /usr/bin/qvld, units, users, /etc/qvld/qvld.yaml.
+# As a system service: /opt/venvs/qvld, /usr/bin/qvld, units, users, /etc/qvld/qvld.yaml.
 install:
 	packaging/install.sh
 

@@ -4,7 +4,7 @@
 #   packaging/install.sh [--destdir DIR] [--python PYTHON]       install (idempotent)
 #   packaging/install.sh --uninstall [--purge] [--destdir DIR]   remove what install put
 #
-# Layout: a virtualenv in /opt/qvld/venv; /usr/bin/qvld and /usr/bin/qvlctl link into it
+# Layout: a virtualenv in /opt/venvs/qvld (dh-virtualenv's layout, as in the .deb); /usr/bin/qvld and /usr/bin/qvlctl link into it
 # (the path the unit's ExecStart names, as in the .deb); units, sysusers.d and
 # tmpfiles.d files under /usr/lib; the config in /etc/qvld/qvld.yaml (an edited config
 # is never overwritten: the new default goes beside it as qvld.yaml.dist). Models go in
@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-venv=/opt/qvld/venv
+venv=/opt/venvs/qvld
 units=/usr/lib/systemd/system
 files=(
   "$units/qvld.service" "$units/qvld.socket" "$units/qvld-http.socket"
@@ -61,6 +61,10 @@ do_install() {
   "$destdir$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
     --no-deps --upgrade "$src"
   "$src/packaging/prune-venv.sh" "$destdir$venv"
+  # Bytecode now: the service cannot write it later (ProtectSystem=strict).
+  "$destdir$venv/bin/python" -m compileall -q -j 0 ${destdir:+-s "$destdir" -p /} \
+    "$destdir$venv/lib" >/dev/null || true
+  rm -rf "$destdir/opt/qvld"  # where earlier installers put the venv
   mkdir -p "$destdir/usr/bin"
   ln -sfn "$venv/bin/qvld" "$destdir/usr/bin/qvld"
   ln -sfn "$venv/bin/qvlctl" "$destdir/usr/bin/qvlctl"
@@ -133,7 +137,8 @@ do_uninstall() {
   done
   rmdir "$destdir/usr/share/doc/qvld" 2>/dev/null || true
   rmdir "$destdir"/usr/share/qvld/* "$destdir/usr/share/qvld" 2>/dev/null || true
-  rm -rf "$destdir/opt/qvld"
+  rm -rf "$destdir$venv" "$destdir/opt/qvld"
+  rmdir "$destdir/opt/venvs" 2>/dev/null || true
   rm -f "$destdir/etc/qvld/qvld.yaml.dist"
   if [ "$purge" = yes ]; then
     rm -rf "$destdir/etc/qvld" "$destdir/var/lib/qvld" "$destdir/var/cache/qvld"

@@ -12,9 +12,12 @@
 #   tools package: qvld runs on the CPU plugin alone;
 # - the packages' own test suites and type stubs, Pillow's AVIF and font rendering
 #   (qvld decodes PNG, JPEG, WebP, GIF and BMP and draws no text);
+# - numpy's C headers, f2py and distutils (for building extensions, imported on demand
+#   only), and the Python side of OpenVINO's frontends for other frameworks;
 # - bytecode caches (compiled again by the installer, or by postinst for the package).
-# The wheels' shared libraries are not stripped: auditwheel rewrote them with patchelf,
-# and strip --strip-unneeded corrupts such files (numpy's bundled OpenBLAS then fails to
+# Python extension modules are stripped of their symbol tables (18 MB). The libraries
+# auditwheel vendored (*.libs/) and OpenVINO's libs/ are not: patchelf rewrote them, and
+# strip --strip-unneeded corrupts such files (numpy's bundled OpenBLAS then fails to
 # load: "ELF load command address/offset not page-aligned", tried here).
 set -euo pipefail
 venv=$1
@@ -30,6 +33,14 @@ for frontend in onnx tensorflow tensorflow_lite pytorch paddle jax gguf; do
   rm -f "$ov"/libs/libopenvino_"$frontend"_frontend.so*
 done
 rm -rf "$ov/include" "$ov/tools"
+for frontend in jax onnx paddle pytorch tensorflow; do
+  rm -rf "$ov/frontend/$frontend"
+done
+rm -rf "$site/numpy/_core/include" "$site/numpy/f2py" "$site/numpy/distutils"
+if command -v strip >/dev/null; then
+  find "$site" -name '*.so' ! -path "$site/*.libs/*" ! -path "$ov/libs/*" -print0 |
+    xargs -0 -r strip --strip-unneeded
+fi
 find "$site" -type d -name tests -prune -exec rm -rf {} +
 find "$site" -name '*.pyi' -delete
 rm -f "$site"/PIL/_avif.*.so "$site"/PIL/_imagingft.*.so "$site"/pillow.libs/libavif-*.so* \

@@ -19,7 +19,7 @@ INSTALLED = ["/usr/lib/systemd/system/qvld.service", "/usr/lib/systemd/system/qv
              "/usr/lib/systemd/system/qvld-http.socket",
              "/usr/lib/sysusers.d/qvld.conf", "/usr/lib/tmpfiles.d/qvld.conf",
              "/usr/bin/qvld", "/usr/bin/qvlctl",
-             "/usr/share/doc/qvld/README.md", "/opt/qvld/venv/bin/qvld",
+             "/usr/share/doc/qvld/README.md", "/opt/venvs/qvld/bin/qvld",
              "/usr/share/qvld/prometheus/qvld-alerts.yml",
              "/usr/share/qvld/prometheus/qvld-alerts.test.yml",
              "/usr/share/qvld/grafana/qvld-dashboard.json",
@@ -30,7 +30,7 @@ INSTALLED = ["/usr/lib/systemd/system/qvld.service", "/usr/lib/systemd/system/qv
              "/usr/share/zsh/vendor-completions/_qvlctl"]
 # A listing of everything the installer owns, with contents, to compare two runs.
 SNAPSHOT = (
-    "find /opt/qvld/venv/bin /usr/lib/systemd/system/qvld.* /usr/lib/sysusers.d/qvld.conf "
+    "find /opt/venvs/qvld/bin /usr/lib/systemd/system/qvld.* /usr/lib/sysusers.d/qvld.conf "
     "/usr/lib/tmpfiles.d/qvld.conf /usr/bin/qvld /usr/bin/qvlctl /etc/qvld "
     "/var/lib/qvld /var/cache/qvld /run/qvld -printf '%p %m %u %g %l\\n' | sort; "
     "md5sum /usr/lib/systemd/system/qvld.* /etc/qvld/qvld.yaml; "
@@ -56,7 +56,7 @@ systemd-analyze verify /usr/lib/systemd/system/qvld.service 2>&1; echo "drop-in-
 rm -r /etc/systemd/system/qvld.service.d
 echo "== security"; systemd-analyze security --offline=yes qvld.service 2>&1 | tail -1
 echo "== preflight"; /usr/bin/qvld preflight --set model.path={TINY} >/dev/null && echo ran
-echo "== mdwe"; /opt/qvld/venv/bin/python -c 'import qvld' && echo importable
+echo "== mdwe"; /opt/venvs/qvld/bin/python -c 'import qvld' && echo importable
 packaging/install.sh >/dev/null
 echo "== second"; {SNAPSHOT}
 echo "== edit"
