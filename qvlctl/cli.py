@@ -5,7 +5,8 @@ Exit codes: 0 ok; 1 internal error, or the daemon sent a malformed reply; 2 usag
 lost; 4 the request was refused (bad_request, image_invalid, image_too_large,
 prompt_too_long, frame_too_large, unsupported_version); 5 busy or unavailable (retry
 later; also `health` when not ready, and an answer the daemon cut short, e.g. while
-stopping: `ask --json` still prints it); 6 timeout; 7 forbidden (by the daemon, or the
+stopping: `ask --json` still prints it); 6 timeout (also `drain` when the admitted
+work outlasts --wait-timeout); 7 forbidden (by the daemon, or the
 socket's permissions: join the group that owns it); 130 interrupted (Ctrl-C);
 141 stdout closed by its reader (`| head`), said nothing.
 
@@ -21,6 +22,7 @@ import json
 import os
 import select
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -280,6 +282,36 @@ def cmd_reload(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_drain(client: Client, args: argparse.Namespace) -> int:
+    """Stop admitting, then (unless --no-wait) wait until the admitted work is done."""
+    result = client.drain("start")
+    deadline = time.monotonic() + args.wait_timeout
+    while not args.no_wait and result["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.2)  # the daemon has no drain-finished event to wait on
+        result = client.drain("status")
+    if args.json:
+        print(json.dumps(result))
+    elif result["in_flight"] and not args.no_wait:
+        warn(f"still {result['in_flight']} generation(s) running after "
+             f"{args.wait_timeout:g} s; the daemon stays drained")
+    else:
+        running = f", {result['in_flight']} generation(s) still running" \
+            if result["in_flight"] else ", nothing running"
+        out(f"{result['state']}: taking no new generations{running}")
+    if result["in_flight"] and not args.no_wait:
+        return EXIT_TIMEOUT
+    return EXIT_OK
+
+
+def cmd_resume(client: Client, args: argparse.Namespace) -> int:
+    result = client.drain("stop")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        out(f"{result['state']}: taking generations again")
+    return EXIT_OK if result["state"] == "ready" else EXIT_RETRY
+
+
 def cmd_model(args: argparse.Namespace) -> int:
     """The model commands work on directories: no daemon involved. This is only their
     front: the tooling is qvld's (``qvld.modeltools``), imported when one of them runs."""
@@ -437,9 +469,21 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_argument("--json", action="store_true", help=JSON_HELP)
     sessions.set_defaults(func=cmd_sessions)
 
+    drain = sub.add_parser(
+        "drain", help="take no new generations, finish the admitted ones (admin); health "
+        "says not ready, so a load balancer moves traffic away; `resume` undoes it")
+    drain.add_argument("--no-wait", action="store_true",
+                       help="return at once instead of waiting for running generations")
+    drain.add_argument("--wait-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="give up waiting after this long, exit 6 (default: %(default)s)")
+    drain.add_argument("--json", action="store_true", help=JSON_HELP)
+    drain.set_defaults(func=cmd_drain)
+
     for name, func, text in (("health", cmd_health, "daemon state; exit 0 only when ready"),
                              ("status", cmd_status, "daemon and model status"),
                              ("config", cmd_config, "the daemon's effective configuration"),
+                             ("resume", cmd_resume,
+                              "take new generations again after a drain (admin)"),
                              ("reload", cmd_reload,
                               "reload config and model (admin); the old one serves on "
                               "failure")):

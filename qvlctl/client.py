@@ -206,6 +206,10 @@ class Client:
     def reload(self) -> dict[str, Any]:
         return replies.reload(self.call("reload"))
 
+    def drain(self, action: str = "start") -> dict[str, Any]:
+        """``start`` (take no new generations), ``stop`` (take them again), ``status``."""
+        return replies.drain(self.call("drain", {"action": action}))
+
     def preflight(self) -> dict[str, Any]:
         return replies.preflight(self.call("preflight"))
 

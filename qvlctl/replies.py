@@ -145,6 +145,13 @@ def health(value: Any) -> dict[str, Any]:
     return doc
 
 
+def drain(value: Any) -> dict[str, Any]:
+    doc = as_map(value, "the drain result")
+    field(doc, "state", str, "the drain result")
+    field(doc, "in_flight", int, "the drain result")
+    return doc
+
+
 def sessions(value: Any) -> list[dict[str, Any]]:
     rows = as_list(field(as_map(value, "the sessions result"), "sessions", list,
                          "the sessions result"), "sessions")

@@ -277,7 +277,8 @@ class App:
             if self.state.state == "draining":
                 raise Unavailable("the daemon is draining")
             previous = self.state.state
-            self.state.state = "reloading"
+            if previous != "drained":  # a drained daemon stays closed to new work
+                self.state.state = "reloading"
             now_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
             self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={now_usec}")
             log.info("reloading configuration and model")
@@ -319,8 +320,9 @@ class App:
             if self.http is not None:
                 self.http.reconfigure(config, keys)
             setup_logging(config)
-            self.state.state = "ready"
-            self.notifier.ready(f"ready: {engine.spec.name}")
+            # an admin's drain outlasts a reload
+            self.state.state = "drained" if previous == "drained" else "ready"
+            self.notifier.ready(f"{self.state.state}: {engine.spec.name}")
             reloaded_model = engine is not old_engine
             log.info("reload done: serving %s (%s)", engine.spec.path,
                      "model reloaded" if reloaded_model else "model unchanged, kept")
@@ -369,7 +371,7 @@ class App:
                             and self.server.policy.is_admin(peer),
                             reload=self.reload, metrics=self.metrics,
                             extra_status=self.status_details,
-                            preflight=lambda: self.preflight)
+                            preflight=lambda: self.preflight, drain=self.set_drained)
         self.server = Server(self.config.server, handlers, policy, on_reply=self._on_reply)
         try:
             if self.config.metrics.listen:
@@ -482,6 +484,25 @@ class App:
                 return EXIT_OK
             await self._wake.wait()
             self._wake.clear()
+
+    def set_drained(self, drained: bool) -> None:
+        """The drain admin op: a drained daemon admits no new generations and reports
+        not ready, but keeps its listeners, sessions and caches, finishes what it
+        admitted, and takes work again when undrained. Only from ready (or back)."""
+        state = self.state.state
+        if drained and state == "ready":
+            self.state.state = "drained"
+            self.metrics.ready.set(0)
+            self.notifier.status("drained: taking no new requests")
+            log.info("drained by an admin: taking no new generations")
+        elif not drained and state == "drained":
+            self.state.state = "ready"
+            self.metrics.ready.set(1)
+            assert self.state.engine is not None
+            self.notifier.status(f"ready: {self.state.engine.spec.name}")
+            log.info("resumed by an admin: taking generations again")
+        elif state not in ("ready", "drained"):
+            raise Unavailable(f"the daemon is {state}")
 
     async def _drain(self) -> None:
         self.state.state = "draining"

@@ -31,7 +31,9 @@ class DaemonState:
     """What the handlers report on: set by the app as it starts, reloads and stops."""
 
     config: Config
-    state: str = "loading"  # loading | ready | reloading | draining
+    # loading | ready | reloading | drained (an admin's drain: no new generations) |
+    # draining (stopping)
+    state: str = "loading"
     engine: Engine | None = None
     started: float = field(default_factory=time.monotonic)
     requests_total: int = 0
@@ -41,6 +43,9 @@ class DaemonState:
         return self.state == "ready" and self.engine is not None
 
     def require_engine(self) -> Engine:
+        if self.state == "drained":
+            raise Unavailable("the daemon is drained: it takes no new generations "
+                              "(qvlctl resume takes them again)")
         if self.engine is None or self.state in ("loading", "draining"):
             raise Unavailable(f"the daemon is {self.state}")
         return self.engine
@@ -61,8 +66,11 @@ class Handlers:
                  reload: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  metrics: Metrics | None = None,
                  extra_status: Callable[[int | None], dict[str, Any]] | None = None,
-                 preflight: Callable[[], dict[str, Any]] | None = None) -> None:
+                 preflight: Callable[[], dict[str, Any]] | None = None,
+                 drain: Callable[[bool], None] | None = None) -> None:
         self._preflight = preflight
+        self._drain = drain
+        self.generating = 0  # generate calls admitted and not finished, both front doors
         self.state = state
         self.metrics = metrics
         self.extra_status = extra_status
@@ -79,6 +87,7 @@ class Handlers:
             "generate": self.generate,
             "cancel": self.cancel,
             "reload": self.reload,
+            "drain": self.drain,
             "sessions": self.sessions,
             "metrics": self.metrics_text,
             "preflight": self.preflight,
@@ -152,6 +161,13 @@ class Handlers:
         return config
 
     async def generate(self, ctx: RequestContext) -> dict[str, Any]:
+        self.generating += 1
+        try:
+            return await self._generate(ctx)
+        finally:
+            self.generating -= 1
+
+    async def _generate(self, ctx: RequestContext) -> dict[str, Any]:
         request, stream = parse_generate(ctx.request.params)
         uid = ctx.peer.uid
         limit = self.state.config.server.request_timeout_s
@@ -264,6 +280,22 @@ class Handlers:
         if self._reload is None:
             raise Unavailable("reload is not available")
         return await self._reload()
+
+    async def drain(self, ctx: RequestContext) -> dict[str, Any]:
+        """``{action: start}`` (the default): take no new generations, finish the ones
+        admitted, report not ready (a load balancer moves traffic away); ``stop``: take
+        them again; ``status``: only report. The reply says how many are still running."""
+        action = ctx.request.params.get("action", "start")
+        if action not in ("start", "stop", "status"):
+            raise BadRequest("drain: action must be start, stop or status")
+        if action != "status" and not self.is_admin(ctx.peer):
+            raise Forbidden("drain is an admin op (root or a member of server.admin_groups)")
+        if self._drain is None:
+            raise Unavailable("drain is not available")
+        if action != "status":
+            self._drain(action == "start")
+        # this op's own call is not a generation; the others still running are
+        return {"state": self.state.state, "in_flight": self.generating}
 
 
 def _prompt_text(messages: Any) -> str:

@@ -45,10 +45,17 @@ def test_allow_uids_admits_that_uid(shared_dir: Path) -> None:
     try:
         reply = health_as(daemon.socket, NOBODY)
         assert reply == {"id": 1, "ok": True, "result": {"state": "ready", "ready": True}}
-        # Allowed, but not an admin: admin ops are refused.
-        replies = run_as(NOBODY, daemon.socket, [{"id": 2, "op": "reload"}])
+        # Allowed, but not an admin: admin ops are refused (a drain's status is anyone's).
+        for op, params in (("reload", {}), ("drain", {}), ("drain", {"action": "stop"})):
+            replies = run_as(NOBODY, daemon.socket, [{"id": 2, "op": op, "params": params}])
+            assert isinstance(replies, list)
+            assert replies[0][1]["error"]["code"] == "forbidden", (op, params)
+        replies = run_as(NOBODY, daemon.socket, [{"id": 3, "op": "drain",
+                                                  "params": {"action": "status"}}])
         assert isinstance(replies, list)
-        assert replies[0][1]["error"]["code"] == "forbidden"
+        assert replies[0][1]["result"] == {"state": "ready", "in_flight": 0}
+        with daemon.client() as client:
+            assert client.health()["ready"]
     finally:
         assert daemon.stop() == 0
 
