@@ -91,7 +91,12 @@ def test_status_shows_each_running_generation_with_its_tokens(batched: tuple[Dae
             shown = subprocess.run([sys.executable, "-m", "qvlctl.cli", "--socket",
                                     str(daemon.socket), "status"], capture_output=True,
                                    text=True, timeout=60)
-            assert "generated_tokens" in shown.stdout, shown.stdout + shown.stderr
+            # a table of the running generations, one row each
+            table = shown.stdout.split("sequences:\n", 1)[-1].split("\n\n")[0].splitlines()
+            assert table[0].split() == ["UID", "STATE", "PROMPT", "CACHED", "FED",
+                                        "GENERATED"], shown.stdout + shown.stderr
+            assert len(table) >= 4 and all(row.split()[1] in ("decode", "prefill")
+                                           for row in table[1:]), shown.stdout
             as_json = json.loads(subprocess.run(
                 [sys.executable, "-m", "qvlctl.cli", "--socket", str(daemon.socket),
                  "status", "--json"], capture_output=True, text=True, timeout=60).stdout)
