@@ -34,6 +34,7 @@ venv=/opt/venvs/qvld
 units=/usr/lib/systemd/system
 files=(
   "$units/qvld.service" "$units/qvld.socket" "$units/qvld-http.socket"
+  "$units/qvld@.service" "$units/qvld@.socket"
   /usr/lib/sysusers.d/qvld.conf /usr/lib/tmpfiles.d/qvld.conf
   /usr/bin/qvld /usr/bin/qvlctl /usr/share/doc/qvld/README.md
   /usr/share/qvld/prometheus/qvld-alerts.yml /usr/share/qvld/prometheus/qvld-alerts.test.yml
@@ -72,6 +73,8 @@ do_install() {
   install_file 0644 "$src/packaging/systemd/qvld.service" "$units/qvld.service"
   install_file 0644 "$src/packaging/systemd/qvld.socket" "$units/qvld.socket"
   install_file 0644 "$src/packaging/systemd/qvld-http.socket" "$units/qvld-http.socket"
+  install_file 0644 "$src/packaging/systemd/qvld@.service" "$units/qvld@.service"
+  install_file 0644 "$src/packaging/systemd/qvld@.socket" "$units/qvld@.socket"
   install_file 0644 "$src/packaging/sysusers.d/qvld.conf" /usr/lib/sysusers.d/qvld.conf
   install_file 0644 "$src/packaging/tmpfiles.d/qvld.conf" /usr/lib/tmpfiles.d/qvld.conf
   install_file 0644 "$src/README.md" /usr/share/doc/qvld/README.md
@@ -131,10 +134,13 @@ do_install() {
 do_uninstall() {
   if systemd_running; then
     systemctl disable --now qvld.socket qvld-http.socket qvld.service 2>/dev/null || true
+    systemctl stop 'qvld@*.service' 'qvld@*.socket' 2>/dev/null || true
   fi
   for f in "${files[@]}"; do
     rm -f "$destdir$f"
   done
+  # the links of instances the admin enabled (systemctl enable qvld@0.service)
+  find "$destdir/etc/systemd/system" -name 'qvld@*' -type l -delete 2>/dev/null || true
   rmdir "$destdir/usr/share/doc/qvld" 2>/dev/null || true
   rmdir "$destdir"/usr/share/qvld/* "$destdir/usr/share/qvld" 2>/dev/null || true
   rm -rf "$destdir$venv" "$destdir/opt/qvld"

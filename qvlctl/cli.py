@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import select
 import sys
 import time
@@ -30,7 +31,14 @@ from typing import Any
 import yaml
 
 from qvlctl import exits, render, replies
-from qvlctl.client import AccessDenied, Client, ConnectFailed, MalformedReply, default_socket
+from qvlctl.client import (
+    DEFAULT_SOCKET,
+    AccessDenied,
+    Client,
+    ConnectFailed,
+    MalformedReply,
+    default_socket,
+)
 from qvlctl.exits import (
     EXIT_BY_CODE,
     EXIT_FORBIDDEN,
@@ -342,6 +350,18 @@ def cmd_model(args: argparse.Namespace) -> int:
     return EXIT_OK if report["exact"] == report["cases"] else EXIT_INTERNAL
 
 
+# qvld.config.INSTANCE_NAME (not imported: qvlctl stays clear of pydantic and yaml's
+# schema at start-up)
+INSTANCE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def instance_socket(name: str) -> str:
+    if not INSTANCE_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(f"an instance name is 1-64 of [A-Za-z0-9_-], "
+                                         f"not {name!r}")
+    return str(Path(DEFAULT_SOCKET).with_name(f"qvld-{name}.sock"))
+
+
 def socket_path(value: str) -> str:
     """--socket's type: an explicit empty path is a mistake, not a wish for the default."""
     if not value:
@@ -358,8 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qvlctl", description="Query and manage the qvld vision-language daemon.",
         epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--socket", default=default_socket(), type=socket_path,
-                        help="daemon socket (default: $QVLD_SOCKET or /run/qvld/qvld.sock)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--socket", default=default_socket(), type=socket_path,
+                       help="daemon socket (default: $QVLD_SOCKET or /run/qvld/qvld.sock)")
+    where.add_argument("--instance", metavar="NAME", type=instance_socket, dest="socket",
+                       help="the socket of instance NAME of the template units, "
+                            "/run/qvld/qvld-NAME.sock (qvld@NAME.service)")
     parser.add_argument("--version", action="version", version=f"qvlctl {__version__}")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds to wait for the daemon (default: no limit)")

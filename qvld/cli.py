@@ -15,6 +15,7 @@ from qvld.config import (
     Config,
     ConfigError,
     default_config_path,
+    instance_source,
     load_config,
 )
 
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "if it exists, else built-in defaults)")
     parser.add_argument("--model", type=Path, help="model directory (= --set model.path=DIR)")
     parser.add_argument("--socket", type=Path, help="socket path (= --set server.socket=P)")
+    parser.add_argument("--instance", metavar="NAME",
+                        help="run as instance NAME of the template units (qvld@NAME): "
+                             "NAME.yaml beside the config file, or for a NUMA node number "
+                             "the shared file bound to that node, its ports moved up by it")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config key, e.g. engine.threads=4")
     parser.add_argument("--json", action="store_true", help="preflight: print JSON")
@@ -78,6 +83,8 @@ def config_source(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
     if args.socket is not None:
         overrides.append(f"server.socket={args.socket}")
     path = args.config if args.config is not None else default_config_path()
+    if args.instance is not None:
+        return instance_source(path, overrides, args.instance)
     return path, overrides
 
 
@@ -176,8 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return api_key(args.name, args.keys_file)
     if args.name is not None:
         parser.error(f"unrecognized arguments: {args.name}")
-    path, overrides = config_source(args)
     try:
+        path, overrides = config_source(args)
         config = load_config(path, overrides)
     except ConfigError as exc:
         for line in exc.errors:

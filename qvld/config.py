@@ -504,6 +504,49 @@ def load_config(path: Path | None, overrides: Sequence[str] = (),
     return with_systemd_cache_dir(config, environ)
 
 
+INSTANCE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# An instance's HTTP port when the shared file sets none: qvld-http.socket's.
+DEFAULT_HTTP_PORT = 8090
+
+
+def _shift_port(listen: str, by: int) -> str:
+    host, _, port = listen.rpartition(":")
+    return f"{host}:{int(port) + by}"
+
+
+def instance_source(path: Path | None, overrides: Sequence[str], name: str,
+                    environ: Mapping[str, str] | None = None) -> tuple[Path | None, list[str]]:
+    """The config file and overrides of instance ``name`` of the template units
+    (qvld@NAME.service): ``NAME.yaml`` beside the shared config when it exists, read as
+    is; else, when ``name`` is a NUMA node number N, the shared config with
+    ``tuning.numa_node: N``, the socket ``qvld-N.sock`` beside the shared one, the
+    HTTP and metrics ports moved up by N (HTTP from 8090 when the shared file sets
+    none) and the compiled-model cache in subdirectory N, so that one instance per node
+    runs from one file. The overrides are fixed
+    here, at start: a reload re-reads the files with the same ones."""
+    if not INSTANCE_NAME.fullmatch(name):
+        raise ConfigError([f"instance {name!r}: a name is 1-64 of [A-Za-z0-9_-]"])
+    directory = (path or DEFAULT_CONFIG_PATH).parent
+    own = directory / f"{name}.yaml"
+    if own.is_file():
+        return own, list(overrides)
+    if not name.isdigit():
+        raise ConfigError([f"instance {name}: no {own}, and {name} is not a NUMA node number "
+                           "(an instance of the shared file must be one)"])
+    node = int(name)
+    shared = load_config(path, overrides, environ)
+    http = shared.http.listen or f"127.0.0.1:{DEFAULT_HTTP_PORT}"
+    derived = [f"tuning.numa_node={node}",
+               f"server.socket={shared.server.socket.with_name(f'qvld-{node}.sock')}",
+               f"http.listen={_shift_port(http, node)}"]
+    if shared.metrics.listen:
+        derived.append(f"metrics.listen={_shift_port(shared.metrics.listen, node)}")
+    if shared.model.cache_dir is not None:
+        # a compiled-model cache of its own (qvld@.service's CacheDirectory=qvld/%i)
+        derived.append(f"model.cache_dir={shared.model.cache_dir / name}")
+    return path, [*overrides, *derived]
+
+
 def iter_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     """Every dotted key of the schema, in declaration order."""
     keys: list[str] = []

@@ -46,6 +46,25 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 are both free on loopback now: the HTTP ports of
+    instances 0 and 1 of the template units (the shared port moved up by the number)."""
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    while True:
+        base = free_port()
+        if base < 65535 and free(base + 1):
+            return base
+
+
 # (sample name, sorted labels) -> value, as Prometheus' own text parser reads them.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

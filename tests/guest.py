@@ -37,7 +37,7 @@ mkdir -p "$SANDBOX/repo-upper" "$SANDBOX/repo-work" "$R$REPO"
 mount -t overlay overlay \
     -o lowerdir="$REPO",upperdir="$SANDBOX/repo-upper",workdir="$SANDBOX/repo-work" \
     "$R$REPO"
-for unit in console-getty.service getty@tty1.service prometheus.service \
+for unit in console-getty.service getty@tty1.service prometheus.service haproxy.service \
             postgresql.service postgresql@15-main.service; do
   ln -sf /dev/null "$R/etc/systemd/system/$unit"
 done

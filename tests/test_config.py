@@ -1,14 +1,23 @@
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from qvld.config import Config, ConfigError, iter_keys, load_config, with_systemd_cache_dir
-from tests.conftest import Daemon
+from qvld.config import (
+    Config,
+    ConfigError,
+    instance_source,
+    iter_keys,
+    load_config,
+    with_systemd_cache_dir,
+)
+from tests.conftest import Daemon, free_port_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "etc" / "qvld" / "qvld.yaml"
@@ -133,3 +142,71 @@ def test_the_daemon_compiles_into_systemds_cache_directory(tmp_path: Path) -> No
         assert any(cache.iterdir()), "OpenVINO wrote no compiled model into the cache"
     finally:
         assert daemon.stop() == 0
+
+
+# -- instances of the template units (qvld@NAME) --------------------------------------------
+
+
+def test_an_instance_with_a_file_of_its_own_reads_that_file(tmp_path: Path) -> None:
+    shared = tmp_path / "qvld.yaml"
+    shared.write_text("engine:\n  threads: 2\n")
+    (tmp_path / "edge-a.yaml").write_text("http:\n  listen: 127.0.0.1:9999\n")
+    path, overrides = instance_source(shared, ["engine.threads=1"], "edge-a")
+    assert path == tmp_path / "edge-a.yaml" and overrides == ["engine.threads=1"]
+    assert load_config(path, overrides).http.listen == "127.0.0.1:9999"
+
+
+def test_a_node_numbered_instance_is_the_shared_file_on_that_node(tmp_path: Path) -> None:
+    shared = tmp_path / "qvld.yaml"
+    shared.write_text("server:\n  socket: /run/qvld/qvld.sock\nmetrics:\n  listen: "
+                      "127.0.0.1:8479\nhttp:\n  listen: 0.0.0.0:8100\n"
+                      "model:\n  cache_dir: /var/cache/qvld\n")
+    path, overrides = instance_source(shared, [], "3")
+    config = load_config(path, overrides)
+    assert path == shared
+    assert config.tuning.numa_node == 3
+    assert config.model.cache_dir == Path("/var/cache/qvld/3")
+    assert config.server.socket == Path("/run/qvld/qvld-3.sock")
+    assert config.http.listen == "0.0.0.0:8103" and config.metrics.listen == "127.0.0.1:8482"
+    # no HTTP port in the shared file: qvld-http.socket's 8090, moved up; metrics off stays off
+    shared.write_text("metrics:\n  listen: ~\n")
+    config = load_config(*instance_source(shared, [], "1"),
+                         environ={"CACHE_DIRECTORY": "/var/cache/qvld/1"})
+    assert config.http.listen == "127.0.0.1:8091" and config.metrics.listen is None
+    assert config.model.cache_dir == Path("/var/cache/qvld/1")  # systemd's
+
+
+@pytest.mark.parametrize("name, error", [
+    ("edge-b", "no {dir}/edge-b.yaml, and edge-b is not a NUMA node number"),
+    ("../etc", "a name is 1-64 of [A-Za-z0-9_-]"),
+    ("", "a name is 1-64 of [A-Za-z0-9_-]")])
+def test_an_instance_that_names_nothing_is_a_config_error(tmp_path: Path, name: str,
+                                                          error: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        instance_source(tmp_path / "qvld.yaml", [], name)
+    assert error.format(dir=tmp_path) in refused.value.errors[0]
+
+
+def test_qvld_runs_as_an_instance(tmp_path: Path) -> None:
+    """The real daemon as `qvld --instance 1`: its own socket and moved HTTP port."""
+    base = free_port_pair()
+    daemon = Daemon(tmp_path, socket_path=tmp_path / "qvld-1.sock", config_text=(
+        f"server:\n  socket: {tmp_path}/qvld.sock\n"
+        f"http:\n  listen: 127.0.0.1:{base}\n"))  # its --config is tmp_path/qvld.yaml
+    shared = tmp_path / "qvld.yaml"
+    daemon.argv = [a for a in daemon.argv if a not in ("--socket", str(daemon.socket))]
+    daemon.argv += ["--instance", "1"]
+    daemon.start()
+    try:
+        with daemon.client() as client:
+            config = client.config()
+        assert config["tuning"]["numa_node"] == 1
+        assert config["http"]["listen"] == f"127.0.0.1:{base + 1}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{base + 1}/health", timeout=10) as reply:
+            assert json.load(reply)["ready"] is True
+    finally:
+        assert daemon.stop() == 0
+    out = subprocess.run([sys.executable, "-m", "qvld.cli", "--config", str(shared),
+                          "--instance", "edge", "check-config"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 78 and "edge is not a NUMA node number" in out.stderr

@@ -17,6 +17,7 @@ needs_sandbox = pytest.mark.skipif(not sandbox.available(), reason="needs root a
 
 INSTALLED = ["/usr/lib/systemd/system/qvld.service", "/usr/lib/systemd/system/qvld.socket",
              "/usr/lib/systemd/system/qvld-http.socket",
+             "/usr/lib/systemd/system/qvld@.service", "/usr/lib/systemd/system/qvld@.socket",
              "/usr/lib/sysusers.d/qvld.conf", "/usr/lib/tmpfiles.d/qvld.conf",
              "/usr/bin/qvld", "/usr/bin/qvlctl",
              "/usr/share/doc/qvld/README.md", "/opt/venvs/qvld/bin/qvld",
@@ -47,7 +48,8 @@ cd {ROOT}
 packaging/install.sh >/dev/null
 echo "== first"; {SNAPSHOT}
 echo "== verify"; systemd-analyze verify /usr/lib/systemd/system/qvld.service \
-    /usr/lib/systemd/system/qvld.socket /usr/lib/systemd/system/qvld-http.socket 2>&1
+    /usr/lib/systemd/system/qvld.socket /usr/lib/systemd/system/qvld-http.socket \
+    qvld@0.service qvld@0.socket 2>&1
 echo "verify-rc $?"
 echo "== shipped"; for f in {" ".join(INSTALLED)}; do test -e $f || echo "missing $f"; done
 mkdir -p /etc/systemd/system/qvld.service.d
@@ -163,3 +165,23 @@ def test_the_lock_pins_every_runtime_dependency_within_its_range() -> None:
         assert name in pinned, f"{name} is not in requirements.lock (make lock)"
         assert requirement.specifier.contains(pinned[name], prereleases=True), (
             f"{name}=={pinned[name]} is outside {requirement.specifier} (make lock)")
+
+
+def service_lines(unit: str) -> list[str]:
+    text = (ROOT / "packaging/systemd" / unit).read_text()
+    body = text.split("[Service]\n", 1)[1].split("\n[Install]", 1)[0]
+    return [line for line in body.splitlines() if line and not line.startswith("#")]
+
+
+def test_the_template_unit_is_the_plain_one_but_for_its_instance() -> None:
+    """qvld@.service cannot include qvld.service: the two [Service] sections are held
+    equal here, but for the instance's own command line and cache directory."""
+    plain, template = service_lines("qvld.service"), service_lines("qvld@.service")
+    assert [line.replace(" --instance %i", "").replace("CacheDirectory=qvld/%i",
+                                                         "CacheDirectory=qvld")
+            for line in template] == plain
+    assert "ExecStart=/usr/bin/qvld --config /etc/qvld/qvld.yaml --instance %i" in template
+    unit = (ROOT / "packaging/systemd/qvld@.service").read_text()
+    assert "Requires=qvld@%i.socket" in unit and "Also=qvld@%i.socket" in unit
+    assert "ListenStream=/run/qvld/qvld-%i.sock" in \
+        (ROOT / "packaging/systemd/qvld@.socket").read_text()

@@ -713,3 +713,13 @@ def test_sessions_for_people(fake: Callable[[Responder], Path]) -> None:
         "ID      UID   TURNS  TOKENS  IMAGES  SIZE     AGE        IDLE    BUSY",
         "chat-1  1000  3      900     1       4.0 KiB  1 h 6 min  12 s    no",
         "b       0     1      5       0       20 B     1.5 s      0.00 s  yes"]
+
+
+def test_instance_names_its_socket() -> None:
+    args = cli.build_parser().parse_args(["--instance", "1", "health"])
+    assert args.socket == "/run/qvld/qvld-1.sock"
+    for bad in (["--instance", "../x", "health"],
+                ["--instance", "1", "--socket", "/tmp/s", "health"]):
+        out = subprocess.run([sys.executable, "-m", "qvlctl.cli", *bad], capture_output=True,
+                             text=True, timeout=60, check=False)
+        assert out.returncode == 2, out.stderr

@@ -187,3 +187,43 @@ systemctl enable --now qvld-http.socket
     assert "user=local op=generate outcome=ok" in journal
     # Both sockets reach the one process: the Unix socket still answers qvlctl.
     qvlctl(guest, "health")
+
+
+def test_template_instances_each_with_their_socket_port_and_cache(guest: Guest) -> None:
+    """qvld@0 and qvld@1 from the one shared file: each on its own socket, HTTP port
+    (the shared one moved up by the instance number) and compiled-model cache."""
+    import urllib.request
+
+    from tests.conftest import free_port_pair
+
+    base = free_port_pair()  # the guest shares this machine's network namespace
+    guest.run(f"""
+set -e
+cp /etc/qvld/qvld.yaml /etc/qvld/qvld.yaml.before-instances
+sed -i '/^http:/,/^[a-z]/ s|^  listen: .*|  listen: 127.0.0.1:{base}|' /etc/qvld/qvld.yaml
+grep -q '^  listen: 127.0.0.1:{base}$' /etc/qvld/qvld.yaml
+systemctl start qvld@0.service qvld@1.service
+""")
+    try:
+        for node in (0, 1):
+            unit = f"qvld@{node}.service"
+            assert show(guest, "ActiveState", unit) == "active"
+            assert guest.run(f"stat -c '%a %U %G' /run/qvld/qvld-{node}.sock"
+                             ).stdout.strip() == "660 qvld qvl"
+            err = qvlctl(guest, f"--instance {node} ask {QUESTION} --max-tokens 4")[2]
+            assert "TTFT" in err
+            config = json.loads(qvlctl(guest, f"--instance {node} config --json")[1])
+            assert config["tuning"]["numa_node"] == node
+            assert config["model"]["cache_dir"] == f"/var/cache/qvld/{node}"
+            assert guest.run(f"ls /var/cache/qvld/{node} | wc -l").stdout.strip() != "0"
+            with urllib.request.urlopen(f"http://127.0.0.1:{base + node}/health",
+                                        timeout=30) as reply:
+                assert json.load(reply)["ready"] is True
+        # the plain service is not involved; each instance logs under its own unit
+        assert "op=generate outcome=ok" in guest.run(
+            "journalctl -u qvld@1.service --no-pager -o cat").stdout
+    finally:
+        guest.run("systemctl stop qvld@0.service qvld@1.service qvld@0.socket "
+                  "qvld@1.socket; mv /etc/qvld/qvld.yaml.before-instances "
+                  "/etc/qvld/qvld.yaml", check=False)
+

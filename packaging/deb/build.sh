@@ -66,6 +66,9 @@ install -D -m 0644 "$src/packaging/systemd/qvld.service" "$root/lib/systemd/syst
 install -D -m 0644 "$src/packaging/systemd/qvld.socket" "$root/lib/systemd/system/qvld.socket"
 install -D -m 0644 "$src/packaging/systemd/qvld-http.socket" \
   "$root/lib/systemd/system/qvld-http.socket"
+for unit in qvld@.service qvld@.socket; do
+  install -D -m 0644 "$src/packaging/systemd/$unit" "$root/lib/systemd/system/$unit"
+done
 install -D -m 0644 "$src/packaging/sysusers.d/qvld.conf" "$root/usr/lib/sysusers.d/qvld.conf"
 install -D -m 0644 "$src/packaging/tmpfiles.d/qvld.conf" "$root/usr/lib/tmpfiles.d/qvld.conf"
 install -d "$root/etc/qvld"
