@@ -65,13 +65,17 @@ lock:
 docs: $(BASE)
 	$(BIN)/python tools/gen_docs.py build/docs
 
-# The alert rules must load in Prometheus (promtool comes with Debian's prometheus);
-# lintian is installed here for the package test of the slow tier.
+# The alert rules must load in Prometheus (promtool comes with Debian's prometheus) and
+# the HAProxy configuration in Debian's HAProxy; lintian and haproxy are installed here
+# for the package and scale-out tests of the slow tier.
 check-packaging:
 	command -v promtool >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 	command -v lintian >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lintian; }
+	command -v haproxy >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy; }
+	haproxy -c -f packaging/haproxy/haproxy.cfg
 	promtool check rules packaging/prometheus/qvld-alerts.yml
 	cd packaging/prometheus && promtool test rules qvld-alerts.test.yml
 	$(PYTHON) -c "import json,sys; json.load(open('packaging/grafana/qvld-dashboard.json'))"
