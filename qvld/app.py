@@ -147,7 +147,8 @@ class App:
                           sessions=lambda: len(self.state.engine.sessions)
                           if self.state.engine is not None else 0,
                           batch=lambda: self.state.engine.batch_stats()
-                          if self.state.engine is not None else {})
+                          if self.state.engine is not None else {},
+                          running=lambda: self.scheduler.running)
         self.exporter: Exporter | None = None
         self.http: HttpFront | None = None
         self.prepare_stage: PrepareStage | None = None
@@ -184,6 +185,8 @@ class App:
         self.metrics.set_model(__version__, name, version, engine.spec.name,
                                engine.models.runtime_properties["INFERENCE_PRECISION_HINT"],
                                ready_s)
+        blocks = engine.batch_stats().get("kv_blocks", {})
+        self.metrics.set_cache_layout(blocks.get("block_size"), blocks.get("blocks"))
         return engine
 
     def _preflight_and_tune(self) -> None:

@@ -106,8 +106,21 @@ class Metrics:
             registry=registry)
         self.in_flight = Gauge("qvld_requests_in_flight", "Generations admitted (running or "
                                "waiting).", registry=registry)
-        self.queue_depth = Gauge("qvld_queue_depth", "Generations waiting for a worker.",
-                                 registry=registry)
+        # The load signals of the Gateway API Inference Extension's model-server protocol
+        # (docs/scale-out.md maps each to its endpoint-picker flag): queue depth,
+        # running generations, KV-cache use 0..1 (qvld_kv_cache_usage_ratio below),
+        # prefix-cache hits and queries in tokens, the KV block layout.
+        self.queue_depth = Gauge("qvld_queue_depth", "Generations waiting for a worker "
+                                 "(TotalQueuedRequests).", registry=registry)
+        self.running = Gauge("qvld_requests_running", "Generations running now "
+                             "(TotalRunningRequests).", registry=registry)
+        self.prefix_queries = Counter("qvld_prefix_cache_queries", "Prompt tokens looked up "
+                                      "in the prefix (KV) cache.", registry=registry)
+        self.prefix_hits = Counter("qvld_prefix_cache_hits", "Prompt tokens whose KV rows "
+                                   "came from the prefix cache.", registry=registry)
+        self.cache_config = Gauge("qvld_cache_config_info", "The KV cache's layout: tokens "
+                                  "per block and blocks (1 for the current one).",
+                                  ("block_size", "num_blocks"), registry=registry)
         self.sessions_active = Gauge("qvld_sessions_active", "Open sessions.",
                                      registry=registry)
         self.model_load = Gauge("qvld_model_load_seconds",
@@ -152,10 +165,13 @@ class Metrics:
 
     def bind(self, in_flight: Callable[[], float], queue_depth: Callable[[], float],
              sessions: Callable[[], float],
-             batch: Callable[[], dict[str, Any]] = dict) -> None:
+             batch: Callable[[], dict[str, Any]] = dict,
+             running: Callable[[], float] | None = None) -> None:
         """Live gauges, read at scrape time (``batch``: the engine's batch_stats)."""
         self.in_flight.set_function(in_flight)
         self.queue_depth.set_function(queue_depth)
+        if running is not None:
+            self.running.set_function(running)
         self.sessions_active.set_function(sessions)
 
         def read(*path: str) -> Callable[[], float]:
@@ -202,6 +218,8 @@ class Metrics:
         self.image_cache_misses.inc(result.image_cache_misses)
         if usage.cached_tokens:
             self.session_cache_hits.inc()
+        self.prefix_queries.inc(usage.prompt_tokens)
+        self.prefix_hits.inc(usage.cached_tokens)
         if result.response_format in RESPONSE_FORMATS:
             self.constrained.labels(result.response_format).inc()
             if result.grammar_compile_s is not None:
@@ -216,6 +234,12 @@ class Metrics:
         self.build_info.clear()
         self.build_info.labels(version, backend, runtime_version, model, precision).set(1)
         self.model_load.set(load_s)
+
+    def set_cache_layout(self, block_size: int | None, blocks: int | None) -> None:
+        """The KV cache's blocks (none: one cache per generation, no blocks)."""
+        self.cache_config.clear()
+        if block_size and blocks:
+            self.cache_config.labels(str(block_size), str(blocks)).set(1)
 
     def set_preflight(self, checks: list[dict[str, Any]]) -> None:
         self.preflight.clear()

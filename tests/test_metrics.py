@@ -87,6 +87,10 @@ def test_each_counter_and_histogram_moves_by_what_was_sent(metered: tuple[Daemon
     prompt = sum(r["usage"]["prompt_tokens"] for r in ok_results) + cancelled["usage"][
         "prompt_tokens"]
     assert moved("qvld_prompt_tokens_total") == prompt
+    # prefix-cache hit ratio, in tokens: every prompt token looked up, the cached ones hit
+    assert moved("qvld_prefix_cache_queries_total") == prompt
+    cached = sum(r["usage"]["cached_tokens"] for r in [*ok_results, cancelled])
+    assert moved("qvld_prefix_cache_hits_total") == cached > 0
     # The first image was encoded (or came from the prefix); the second reused it.
     assert moved("qvld_image_cache_misses_total") + moved("qvld_image_cache_hits_total") <= 2
     assert moved("qvld_session_cache_hits_total") >= 1
@@ -115,6 +119,13 @@ def test_live_gauges_and_scrape_cost_during_a_generation(metered: tuple[Daemon, 
     cost = time.perf_counter() - t0
     assert value(samples, "qvld_requests_in_flight") == 1
     assert value(samples, "qvld_queue_depth") == 0
+    assert value(samples, "qvld_requests_running") == 1
+    assert 0 < value(samples, "qvld_kv_cache_usage_ratio") <= 1
+    # the block layout, as an endpoint picker's --cache-info-metric reads it
+    layout = [dict(labels) for (name, labels), v in samples.items()
+              if name == "qvld_cache_config_info" and v == 1]
+    assert len(layout) == 1 and int(layout[0]["block_size"]) > 0 \
+        and int(layout[0]["num_blocks"]) > 0
     worker.join(60)
     assert done.is_set()
     print(f"one scrape while generating: {cost * 1000:.1f} ms")
