@@ -9,7 +9,7 @@ PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no test" >&2; return 1; fi; return $$rc; }; run
 
 .PHONY: run test test-slow test-reference lint check-packaging install uninstall deb bench bench-llamacpp \
-	bench-concurrency bench-http bench-int8 bench-first-token bench-structured \
+	bench-concurrency bench-http bench-int8 bench-first-token bench-structured bench-scaleout \
 	fixtures clean docs lock
 
 $(BASE): pyproject.toml
@@ -66,8 +66,8 @@ docs: $(BASE)
 	$(BIN)/python tools/gen_docs.py build/docs
 
 # The alert rules must load in Prometheus (promtool comes with Debian's prometheus) and
-# the HAProxy configuration in Debian's HAProxy; lintian and haproxy are installed here
-# for the package and scale-out tests of the slow tier.
+# the HAProxy and nginx examples in Debian's HAProxy and nginx (`-c`, `-t`); lintian and
+# haproxy are installed here for the package and scale-out tests of the slow tier.
 check-packaging:
 	command -v promtool >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
@@ -76,6 +76,12 @@ check-packaging:
 	command -v haproxy >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy; }
 	haproxy -c -f packaging/haproxy/haproxy.cfg
+	command -v nginx >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light; }
+	mkdir -p build
+	printf 'events {}\nhttp {\n include %s;\n}\n' "$(CURDIR)/packaging/nginx/qvld.conf" \
+	  > build/nginx-check.conf
+	nginx -t -q -c "$(CURDIR)/build/nginx-check.conf"
 	promtool check rules packaging/prometheus/qvld-alerts.yml
 	cd packaging/prometheus && promtool test rules qvld-alerts.test.yml
 	$(PYTHON) -c "import json,sys; json.load(open('packaging/grafana/qvld-dashboard.json'))"
@@ -140,6 +146,10 @@ bench-first-token: bench-int8
 # What a response format costs: decode with the receipt schema against unconstrained,
 # compile and mask times, then 16 constrained answers validated (BENCHMARKS.md,
 # "Structured output"; about 5 minutes).
+# Two instances pinned to one core each against one on both cores, 4 clients.
+bench-scaleout: bench-int8
+	$(BIN)/python bench/scaleout.py $(BENCH_MODELS) --clients 4 --tokens 128 --rounds 2
+
 bench-structured: bench-int8
 	$(BIN)/python bench/structured.py $(BENCH_MODELS)/qwen3-vl-2b-int8 --rounds 5 --tokens 64 \
 	  --validate 16 --json $(BENCH_MODELS)/structured.json

@@ -99,15 +99,15 @@ def run_qvld(model: Path, size: int, tokens: int, seed: int, *, backend: str = "
 
 # -- qvld: the daemon, asked through qvlctl's client ------------------------------------
 
-def _start_daemon(model: Path, workdir: Path, cache: Path, extra: tuple[str, ...] = ()
-                  ) -> tuple[subprocess.Popen[bytes], float]:
-    """Start qvld (``extra``: more arguments, such as --set); return it and the seconds
-    until health says ready."""
+def _start_daemon(model: Path, workdir: Path, cache: Path, extra: tuple[str, ...] = (),
+                  prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], float]:
+    """Start qvld (``extra``: more arguments, such as --set; ``prefix``: a command it
+    runs under, such as taskset); return it and the seconds until health says ready."""
     from qvlctl.client import Client
 
     sock = workdir / "qvld.sock"
     (workdir / "qvld.yaml").write_text("")
-    argv = [sys.executable, "-m", "qvld.cli", "--config", str(workdir / "qvld.yaml"),
+    argv = [*prefix, sys.executable, "-m", "qvld.cli", "--config", str(workdir / "qvld.yaml"),
             "--model", str(model), "--socket", str(sock), "--set", f"model.cache_dir={cache}",
             "--set", "metrics.listen=", "--set", "tuning.apply=false", *extra]
     t0 = time.perf_counter()

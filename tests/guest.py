@@ -38,7 +38,7 @@ mount -t overlay overlay \
     -o lowerdir="$REPO",upperdir="$SANDBOX/repo-upper",workdir="$SANDBOX/repo-work" \
     "$R$REPO"
 for unit in console-getty.service getty@tty1.service prometheus.service haproxy.service \
-            postgresql.service postgresql@15-main.service; do
+            nginx.service postgresql.service postgresql@15-main.service; do
   ln -sf /dev/null "$R/etc/systemd/system/$unit"
 done
 exec chroot "$R" /lib/systemd/systemd --system --show-status=no
