@@ -117,6 +117,13 @@ def check_numa(system: System, config: Config) -> Check:
 
     node = choose_node(system, config)
     listing = "; ".join(f"node{n}: {len(c)} CPUs" for n, c in nodes.items())
+    wanted = config.tuning.numa_node
+    if isinstance(wanted, int) and wanted not in nodes:
+        # e.g. qvld@1 on a machine with one node: it would run on every CPU instead
+        return Check("numa", WARN, f"tuning.numa_node {wanted} does not exist here "
+                     f"({listing})", "an instance bound to a missing node is not bound at all",
+                     f"run one instance per existing node (qvld@0 .. qvld@{max(nodes)}) or "
+                     "set tuning.numa_node to one of them")
     if len(nodes) == 1:
         return Check("numa", OK, f"1 node ({listing})",
                      "threads and memory on one node avoid cross-socket traffic")

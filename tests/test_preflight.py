@@ -99,6 +99,10 @@ def test_two_socket_smt_powersave(tmp_path: Path) -> None:
     assert choose_node(system, config()) == 0
     unpinned = by_id(run_checks(config(**{"tuning.pin_cpus": ""}), system))
     assert unpinned["numa"].status == "warn" and "numactl" in unpinned["numa"].remedy
+    # an instance for a node the machine lacks (qvld@2 here) is told so
+    missing = by_id(run_checks(config(**{"tuning.numa_node": "2"}), system))["numa"]
+    assert missing.status == "warn" and "tuning.numa_node 2 does not exist" in missing.found
+    assert "qvld@0 .. qvld@1" in missing.remedy
 
 
 def test_cpu_without_avx2_fails_clearly(tmp_path: Path) -> None:
