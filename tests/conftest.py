@@ -155,7 +155,12 @@ class Daemon:
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env)
         if wait_ready:
-            self.wait_ready(timeout)
+            try:
+                self.wait_ready(timeout)
+            except BaseException:  # a daemon that never got ready is not left running
+                self.proc.kill()
+                self.proc.wait(30)
+                raise
         return self
 
     def wait_ready(self, timeout: float = 60) -> None:

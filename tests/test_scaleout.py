@@ -79,7 +79,15 @@ def farm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Farm]:
     assert shutil.which("haproxy"), "haproxy is not installed (make check-packaging does)"
     workdir = tmp_path_factory.mktemp("scaleout")
     base = free_port_pair()
-    instances = []
+    instances: list[Daemon] = []
+    try:
+        yield from _farm(workdir, base, instances)
+    finally:
+        for daemon in instances:
+            daemon.stop()
+
+
+def _farm(workdir: Path, base: int, instances: list[Daemon]) -> Iterator[Farm]:
     for node in (0, 1):
         own = workdir / str(node)
         own.mkdir()
@@ -113,8 +121,6 @@ def farm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Farm]:
     finally:
         proxy.terminate()
         proxy.wait(30)
-        for daemon in instances:
-            daemon.stop()
 
 
 SESSIONS = [f"conversation-{i}" for i in range(50)]
