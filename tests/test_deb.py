@@ -90,6 +90,17 @@ sed -i 's|^  listen: .*|  listen: ""  # edited by the admin|' /etc/qvld/qvld.yam
         compiled = machine.run("find /opt/venvs/qvld/lib -path '*/qvld/__pycache__/*.pyc' | "
                                "wc -l").stdout
         assert int(compiled) > 10, compiled
+        # An instance of the template units beside the plain service, from a file of its
+        # own, enabled by the admin: upgrades restart it, purge stops it and its links go.
+        port = free_port()
+        machine.run(f"""
+set -e
+printf 'model:\\n  path: /var/lib/qvld/models/qwen3-vl-2b\\n  cache_dir: /var/cache/qvld/edge\\n'\\
+'http:\\n  listen: 127.0.0.1:{port}\\nmetrics:\\n  listen: ""\\n' > /etc/qvld/edge.yaml
+systemctl enable --now qvld@edge.service
+""")
+        machine.run("qvlctl --instance edge health")
+        instance_pid = machine.run("systemctl show -p MainPID --value qvld@edge.service").stdout
         socket_since = machine.run(
             "systemctl show -p ActiveEnterTimestampMonotonic --value qvld.socket").stdout
         upgrade = machine.run(f"dpkg -i {second} 2>&1")
@@ -108,7 +119,16 @@ sed -i 's|^  listen: .*|  listen: ""  # edited by the admin|' /etc/qvld/qvld.yam
         assert machine.run("systemctl show -p ActiveEnterTimestampMonotonic --value "
                            "qvld.socket").stdout == socket_since
         machine.run(f"qvlctl ask {ROOT}/examples/receipt.png 'Total?' --max-tokens 4")
+        # the running instance restarted on the new code, and serves
+        wait_for(lambda: machine.run("qvlctl --instance edge health", check=False
+                                     ).returncode == 0, timeout=120, what="qvld@edge ready")
+        assert machine.run("systemctl show -p MainPID --value qvld@edge.service"
+                           ).stdout not in (instance_pid, "0\n")
         machine.run("apt-get purge -y qvld >/dev/null 2>&1")
+        assert machine.run("systemctl is-active qvld@edge.service", check=False
+                           ).stdout.strip() in ("inactive", "failed")
+        assert machine.run("find /etc/systemd/system -name 'qvld@*' | wc -l").stdout.strip() \
+            == "0"
         left = machine.run("ls -d /opt/venvs/qvld /etc/qvld /var/cache/qvld "
                            "/lib/systemd/system/qvld.service /usr/bin/qvld 2>/dev/null; "
                            "dpkg-query -W -f '${Status}' qvld 2>&1", check=False).stdout
