@@ -64,7 +64,7 @@ set -e
 # This machine is a Docker image, whose policy-rc.d forbids maintainer scripts to start
 # services (deb-systemd-invoke honours it, as it must); a real host has none.
 rm -f /usr/sbin/policy-rc.d
-dpkg -i {first} >/dev/null
+apt-get install -y -q {first} >/dev/null
 cp -r {ROOT}/tests/fixtures/models/tiny /var/lib/qvld/models/qwen3-vl-2b
 chown -R qvld:qvld /var/lib/qvld/models
 sed -i 's|^  listen: .*|  listen: ""  # edited by the admin|' /etc/qvld/qvld.yaml
@@ -73,6 +73,10 @@ sed -i 's|^  listen: .*|  listen: ""  # edited by the admin|' /etc/qvld/qvld.yam
         # The generated manual pages render from where the package put them; completion
         # loads.
         assert "qvlctl ask" in machine.run("MANWIDTH=100 man -P cat qvlctl").stdout
+        for page in ("man1/qvlctl.1.gz", "man5/qvld.yaml.5.gz", "man8/qvld.8.gz"):
+            # (man -l: the file as installed; groff's complaints would go to stderr)
+            rendered = machine.run(f"MANWIDTH=100 man -P cat -l /usr/share/man/{page}")
+            assert rendered.stderr == "" and len(rendered.stdout) > 500, rendered.stderr
         assert "engine.grammar_compile_timeout_s" in machine.run(
             "MANWIDTH=100 man -P cat 5 qvld.yaml").stdout
         assert "check-config" in machine.run("MANWIDTH=100 man -P cat 8 qvld").stdout
