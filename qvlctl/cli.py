@@ -297,18 +297,17 @@ def cmd_drain(client: Client, args: argparse.Namespace) -> int:
     while not args.no_wait and result["in_flight"] and time.monotonic() < deadline:
         time.sleep(0.2)  # the daemon has no drain-finished event to wait on
         result = client.drain("status")
+    gave_up = not args.no_wait and result["in_flight"] > 0
     if args.json:
         print(json.dumps(result))
-    elif result["in_flight"] and not args.no_wait:
+    elif gave_up:
         warn(f"still {result['in_flight']} generation(s) running after "
              f"{args.wait_timeout:g} s; the daemon stays drained")
     else:
         running = f", {result['in_flight']} generation(s) still running" \
             if result["in_flight"] else ", nothing running"
         out(f"{result['state']}: taking no new generations{running}")
-    if result["in_flight"] and not args.no_wait:
-        return EXIT_TIMEOUT
-    return EXIT_OK
+    return EXIT_TIMEOUT if gave_up else EXIT_OK
 
 
 def cmd_resume(client: Client, args: argparse.Namespace) -> int:

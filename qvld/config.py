@@ -522,8 +522,8 @@ def instance_source(path: Path | None, overrides: Sequence[str], name: str,
     ``tuning.numa_node: N``, the socket ``qvld-N.sock`` beside the shared one, the
     HTTP and metrics ports moved up by N (HTTP from 8090 when the shared file sets
     none) and the compiled-model cache in subdirectory N, so that one instance per node
-    runs from one file. The overrides are fixed
-    here, at start: a reload re-reads the files with the same ones."""
+    runs from one file. The overrides are fixed here, at start: a reload re-reads the
+    files with the same ones."""
     if not INSTANCE_NAME.fullmatch(name):
         raise ConfigError([f"instance {name!r}: a name is 1-64 of [A-Za-z0-9_-]"])
     directory = (path or DEFAULT_CONFIG_PATH).parent
