@@ -236,7 +236,9 @@ def status_text(status: dict[str, Any], now: float | None = None) -> str:
         blocks = batch.get("kv_blocks") or {}
         text = (f"{'continuous' if batch.get('continuous_batching') else 'one at a time'}, "
                 f"{batch.get('decoding', 0)} decoding, {batch.get('prefilling', 0)} prefilling, "
-                f"peak {batch.get('peak_sequences', 0)}, {batch.get('steps', 0)} steps")
+                f"peak {batch.get('peak_sequences', 0)}, {batch.get('steps', 0)} steps"
+                + (f", prompts on {batch['prompt_runtime']}" if batch.get("prompt_runtime")
+                   else ""))
         head.append(("batch", text))
         if blocks:
             used = blocks["blocks"] - blocks["free"]
@@ -260,7 +262,7 @@ def status_text(status: dict[str, Any], now: float | None = None) -> str:
             formats={"age_s": human_duration}, headers={"age_s": "age"}))
     if batch and batch.get("sequences"):
         parts.append("sequences:\n" + table(
-            batch["sequences"], ["uid", "state", "prompt_tokens", "cached_tokens",
+            batch["sequences"], ["uid", "state", "runtime", "prompt_tokens", "cached_tokens",
                                  "fed_tokens", "generated_tokens"],
             headers={"prompt_tokens": "prompt", "cached_tokens": "cached",
                      "fed_tokens": "fed", "generated_tokens": "generated"}))

@@ -181,6 +181,8 @@ class App:
         log.info("model ready in %.1f s", ready_s)
         if engine.batch is not None:
             engine.batch.on_step = self.metrics.observe_step
+            engine.batch.on_prefill = self.metrics.observe_prefill
+            self.metrics.prefill_tokens.labels(engine.prompt_runtime)  # 0 until it runs
         name, version = engine.runtime
         self.metrics.set_model(__version__, name, version, engine.spec.name,
                                engine.models.runtime_properties["INFERENCE_PRECISION_HINT"],

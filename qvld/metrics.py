@@ -147,6 +147,10 @@ class Metrics:
                                     "Generations advanced by one batched step.", BATCH_BUCKETS)
         self.step_prefill = histogram("qvld_batch_prefill_tokens_per_step",
                                       "Prompt rows fed in one batched step.", PREFILL_ROW_BUCKETS)
+        self.prefill_tokens = Counter("qvld_prefill_tokens", "Prompt rows the language model "
+                                      "computed under continuous batching, by the runtime "
+                                      "that did (model.prompt_backend moves them).",
+                                      ("runtime",), registry=registry)
         self.constrained = Counter("qvld_constrained_requests",
                                    "Generations whose answer a response format constrained, "
                                    "by its type.", ("format",), registry=registry)
@@ -192,6 +196,10 @@ class Metrics:
         """One batched step: how many generations it advanced, how many prompt rows."""
         self.batch_size.observe(sequences)
         self.step_prefill.observe(prefill_rows)
+
+    def observe_prefill(self, runtime: str, rows: int) -> None:
+        """Prompt rows one runtime computed (a step's, or a prompt backend's prefill)."""
+        self.prefill_tokens.labels(runtime).inc(rows)
 
     def observe_request(self, op: object, outcome: str, seconds: float,
                         api: str = "socket") -> None:

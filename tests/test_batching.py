@@ -48,14 +48,14 @@ def test_concurrent_clients_get_exact_answers_and_share_steps(batched: tuple[Dae
     cases = [CASES[n] for n in ("long", "image_photo", "two_images_one_message", "question",
                                 "image_with_system", "system", "image_gray", "long")]
 
-    def ask(case: dict[str, Any]) -> list[int]:
+    def ask(case: dict[str, Any]) -> dict[str, Any]:
         with daemon.client() as client:
-            return list(client.generate(params(case))["token_ids"])
+            return dict(client.generate(params(case)))
 
     with ThreadPoolExecutor(len(cases)) as pool:
         answers = list(pool.map(ask, cases))
-    for case, ids in zip(cases, answers, strict=True):
-        assert ids == case["token_ids"], case["name"]
+    for case, answer in zip(cases, answers, strict=True):
+        assert answer["token_ids"] == case["token_ids"], case["name"]
     after = scrape(port)
     steps = after[("qvld_batch_sequences_per_step_count", ())]
     assert steps > before.get(("qvld_batch_sequences_per_step_count", ()), 0)
@@ -65,6 +65,11 @@ def test_concurrent_clients_get_exact_answers_and_share_steps(batched: tuple[Dae
         ("qvld_batch_sequences_per_step_count", ()), 0)
     assert after[("qvld_kv_cache_usage_ratio", ())] == 0  # every block given back
     assert after[("qvld_batch_sequences", (("state", "decoding"),))] == 0
+    # Every prompt row the steps fed, counted as OpenVINO's: the prompts less what each
+    # found in the prefix cache.
+    rows = ("qvld_prefill_tokens_total", (("runtime", "openvino"),))
+    assert after[rows] - before.get(rows, 0) == sum(
+        a["usage"]["prompt_tokens"] - a["usage"]["cached_tokens"] for a in answers)
 
 
 def test_status_shows_each_running_generation_with_its_tokens(batched: tuple[Daemon, int]
@@ -93,10 +98,12 @@ def test_status_shows_each_running_generation_with_its_tokens(batched: tuple[Dae
                                    text=True, timeout=60)
             # a table of the running generations, one row each
             table = shown.stdout.split("sequences:\n", 1)[-1].split("\n\n")[0].splitlines()
-            assert table[0].split() == ["UID", "STATE", "PROMPT", "CACHED", "FED",
+            assert table[0].split() == ["UID", "STATE", "RUNTIME", "PROMPT", "CACHED", "FED",
                                         "GENERATED"], shown.stdout + shown.stderr
-            assert len(table) >= 4 and all(row.split()[1] in ("decode", "prefill")
+            assert len(table) >= 4 and all(row.split()[1:3] in (["decode", "openvino"],
+                                                                ["prefill", "openvino"])
                                            for row in table[1:]), shown.stdout
+            assert "prompts on openvino" in shown.stdout
             as_json = json.loads(subprocess.run(
                 [sys.executable, "-m", "qvlctl.cli", "--socket", str(daemon.socket),
                  "status", "--json"], capture_output=True, text=True, timeout=60).stdout)

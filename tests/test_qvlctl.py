@@ -648,12 +648,17 @@ STATUS = {
                "session_image_budget_bytes": 2**26,
                "grammars": {"cached": 1, "compiling": 0, "compiles": 1, "cache_size": 64}},
     "batch": {"continuous_batching": True, "max_batch_tokens": 512, "steps": 99,
-              "peak_sequences": 2, "decoding": 1, "prefilling": 0,
+              "peak_sequences": 2, "decoding": 1, "prefilling": 1,
+              "prompt_runtime": "onnxruntime",
               "kv_blocks": {"blocks": 1000, "block_size": 32, "held": 40, "pinned": 2,
                             "cached": 6, "free": 950},
               "kv_usage_ratio": 0.05,
               "sequences": [{"uid": 1000, "prompt_tokens": 180, "cached_tokens": 160,
-                             "fed_tokens": 200, "generated_tokens": 20, "state": "decode"}]},
+                             "fed_tokens": 200, "generated_tokens": 20, "state": "decode",
+                             "runtime": "openvino"},
+                            {"uid": 1001, "prompt_tokens": 215, "cached_tokens": 0,
+                             "fed_tokens": 64, "generated_tokens": 0, "state": "prefill",
+                             "runtime": "onnxruntime"}]},
 }
 
 
@@ -676,8 +681,11 @@ def test_status_for_people_is_aligned_fields_and_tables() -> None:
     assert "1 warn (smt)" in fields["preflight"]
     assert "generations:\nUID   STAGE    AGE\n1000  running  1 min 5 s\n1001  queued   0.50 s" \
         in shown
-    assert "sequences:\nUID   STATE   PROMPT  CACHED  FED  GENERATED\n" \
-           "1000  decode  180     160     200  20" in shown
+    assert "sequences:\nUID   STATE    RUNTIME      PROMPT  CACHED  FED  GENERATED\n" \
+           "1000  decode   openvino     180     160     200  20\n" \
+           "1001  prefill  onnxruntime  215     0       64   0" in shown
+    assert fields["batch"].endswith("1 decoding, 1 prefilling, peak 2, 99 steps, "
+                                    "prompts on onnxruntime")
     when = render.clock_time(1_764_650_000.0, now)
     assert re.fullmatch(r"\d\d:\d\d:\d\d", when)
     assert ("last errors:\nWHEN      OP        CODE           UID\n"

@@ -102,15 +102,22 @@ class BatchRunner:
     """The step loop over one paged model and its block pool."""
 
     def __init__(self, model: PagedModel, pool: BlockPool, max_batch_tokens: int,
-                 chunk: int, on_step: Callable[[int, int], None] | None = None) -> None:
+                 chunk: int, on_step: Callable[[int, int], None] | None = None,
+                 runtime: str = "openvino") -> None:
         self.model = model
+        self.runtime = runtime  # the paged model's, for status and metrics
         self.pool = pool
         self.max_batch_tokens = max_batch_tokens
         self.chunk = chunk  # rows of one prompt per step at most
         self.on_step = on_step  # (sequences, prefill rows) after every step
+        # (runtime, prompt rows) whenever a runtime computed prompt rows: the step's, or
+        # another's (prefill_outside).
+        self.on_prefill: Callable[[str, int], None] | None = None
         self._cond = threading.Condition()
         self._incoming: list[BatchSequence] = []
         self._running: list[BatchSequence] = []
+        # Prompts being prefilled by another runtime, before they join: shown in status.
+        self._outside: dict[BatchSequence, str] = {}
         self.steps = 0
         self.peak_sequences = 0  # the most sequences one step has run
         # Started by the first sequence, gone when none is left: an engine replaced by a
@@ -140,22 +147,39 @@ class BatchRunner:
         assert seq.outcome is not None
         return seq.outcome
 
+    def prefill_outside(self, slot: RowsSlot, seq: BatchSequence, runtime: str) -> bool:
+        """``prefill_elsewhere`` on ``slot`` (of ``runtime``), shown among the sequences
+        while it runs and counted as that runtime's prompt rows."""
+        with self._cond:
+            self._outside[seq] = runtime
+        try:
+            return prefill_elsewhere(slot, self.model, seq, self.chunk)
+        finally:
+            with self._cond:
+                del self._outside[seq]
+            if self.on_prefill is not None and seq.fed > seq.cached:
+                self.on_prefill(runtime, seq.fed - seq.cached)
+
     @property
     def busy_since(self) -> float | None:
         return self.model.busy_since
 
-    def sequences(self) -> list[dict[str, Any]]:
-        """Each running generation: its rows fed, tokens so far and state, for status."""
+    def _everyone(self) -> list[tuple[BatchSequence, str]]:
         with self._cond:
-            seqs = [*self._running, *self._incoming]
+            return [*self._outside.items(),
+                    *((s, self.runtime) for s in (*self._running, *self._incoming))]
+
+    def sequences(self) -> list[dict[str, Any]]:
+        """Each generation, prefilled elsewhere or running: rows fed, tokens so far, state
+        and the runtime computing it, for status."""
         return [{"uid": s.uid, "prompt_tokens": len(s.prompt.ids), "cached_tokens": s.cached,
                  "fed_tokens": s.fed, "generated_tokens": len(s.decoding.text.ids),
-                 "state": "prefill" if s.prefilling else "decode"} for s in seqs]
+                 "state": "prefill" if s.prefilling else "decode", "runtime": runtime}
+                for s, runtime in self._everyone()]
 
     def counts(self) -> tuple[int, int]:
-        """(decoding, prefilling) sequences."""
-        with self._cond:
-            seqs = [*self._running, *self._incoming]
+        """(decoding, prefilling) sequences, those prefilled by another runtime included."""
+        seqs = [s for s, _ in self._everyone()]
         prefilling = sum(1 for s in seqs if s.prefilling)
         return len(seqs) - prefilling, prefilling
 
@@ -248,6 +272,8 @@ class BatchRunner:
                 self._end(seq)
         if self.on_step is not None:
             self.on_step(len(plan), prefill_rows)
+        if self.on_prefill is not None and prefill_rows:
+            self.on_prefill(self.runtime, prefill_rows)
 
     def _end(self, seq: BatchSequence, error: BaseException | None = None) -> None:
         with self._cond:

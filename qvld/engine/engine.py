@@ -14,7 +14,7 @@ import numpy as np
 
 from qvld.config import Config
 from qvld.engine.backend import SlotPool, common_prefix, load_models, release_file_pages
-from qvld.engine.batch import BatchRunner, BatchSequence, prefill_elsewhere
+from qvld.engine.batch import BatchRunner, BatchSequence
 from qvld.engine.blocks import BlockPool, NoBlocks
 from qvld.engine.cache import ImageCache
 from qvld.engine.constraints import Constraint, GrammarCompiler
@@ -104,7 +104,7 @@ class Engine:
             self.blocks = self._block_pool(config)
             paged = self.models.new_paged(self.blocks.num_blocks)
             self.batch = BatchRunner(paged, self.blocks, config.engine.max_batch_tokens,
-                                     config.engine.prefill_chunk)
+                                     config.engine.prefill_chunk, runtime=self.models.runtime)
             if self.models.prompt is not None and not paged.rows_accessible:
                 log.warning("model.kv_cache_precision %s: prompts are prefilled by "
                             "OpenVINO (ONNX Runtime's rows go only into an f16 or f32 "
@@ -219,6 +219,15 @@ class Engine:
         """The runtime's name and version (``model.backend``'s)."""
         return self.models.runtime, self.models.runtime_version
 
+    @property
+    def prompt_runtime(self) -> str:
+        """The runtime that prefills prompts: the prompt backend's where its rows can go
+        into the paged cache (model.prompt_backend), else the decoding one's."""
+        prompt = self.models.prompt
+        if prompt is not None and self.batch is not None and self.batch.model.rows_accessible:
+            return str(prompt.runtime)
+        return self.models.runtime
+
     def stats(self) -> dict[str, Any]:
         """The model, the runtime and the caches, for status (nothing outside the engine
         reaches into its pool or caches)."""
@@ -257,6 +266,7 @@ class Engine:
                 "max_batch_tokens": self.batch.max_batch_tokens,
                 "steps": self.batch.steps, "peak_sequences": self.batch.peak_sequences,
                 "decoding": decoding, "prefilling": prefilling,
+                "prompt_runtime": self.prompt_runtime,
                 "kv_blocks": self.blocks.stats(),
                 "kv_usage_ratio": round(self.blocks.usage_ratio(), 4),
                 "sequences": self.batch.sequences()}
@@ -458,8 +468,8 @@ class Engine:
                     # Prefilled here, one prompt at a time (each runs on every core),
                     # beside the steps of those already decoding.
                     with self._prefilling:
-                        fed = prefill_elsewhere(slot.prompt_slot, self.batch.model, seq,
-                                                self.config.engine.prefill_chunk)
+                        fed = self.batch.prefill_outside(slot.prompt_slot, seq,
+                                                         self.prompt_runtime)
                     if not fed:
                         self.blocks.release(lease)
                         return None

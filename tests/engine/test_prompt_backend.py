@@ -19,7 +19,7 @@ from qvld.config import Config
 from qvld.engine import Engine, GenerateRequest
 from qvld.errors import ModelInvalid
 from qvld.modeltools.onnx_export import quantize_int8
-from tests.conftest import TINY, Daemon, load_reference, with_image_bytes
+from tests.conftest import TINY, Daemon, free_port, load_reference, scrape, with_image_bytes
 
 REFERENCE = load_reference(TINY)
 CASES = {c["name"]: c for c in REFERENCE["cases"]}
@@ -113,6 +113,37 @@ def test_the_watchdog_sees_a_prefill_on_the_prompt_slot(engine: Engine) -> None:
         slot.prompt_slot.busy_since = None
 
 
+def test_status_shows_a_prompt_prefilled_on_onnxruntime(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # While ONNX Runtime prefills, the sequence is not in the step loop yet: status and
+    # the prefilling count must still show it, with the runtime that computes it.
+    from qvld.engine import onnxruntime
+
+    assert engine.batch is not None
+    seen: list[dict[str, Any]] = []
+    step = onnxruntime.Slot.step
+
+    def watched(self: Any, *args: Any) -> Any:
+        seen.append(engine.batch_stats())
+        return step(self, *args)
+
+    monkeypatch.setattr(onnxruntime.Slot, "step", watched)
+    rows: list[tuple[str, int]] = []
+    monkeypatch.setattr(engine.batch, "on_prefill", lambda runtime, n: rows.append((runtime, n)))
+    result = ask(engine, CASES["long"])
+    assert seen and all(s["prompt_runtime"] == "onnxruntime" for s in seen)
+    assert [s["prefilling"] for s in seen] == [1] * len(seen)
+    fed = []
+    for stats in seen:
+        [seq] = stats["sequences"]
+        assert (seq["state"], seq["runtime"]) == ("prefill", "onnxruntime")
+        fed.append(seq["fed_tokens"])
+    assert fed == sorted(fed) and fed[0] == result.usage.cached_tokens
+    # The prompt's rows were counted once, as ONNX Runtime's; the steps fed none.
+    assert rows == [("onnxruntime", result.usage.prompt_tokens - result.usage.cached_tokens)]
+    assert engine.batch_stats()["sequences"] == []
+
+
 def test_a_one_token_answer_ends_at_the_prefill(engine: Engine) -> None:
     assert engine.blocks is not None
     held = engine.blocks.stats()["held"]
@@ -129,6 +160,7 @@ def test_a_u8_cache_keeps_the_prefill_on_openvino(caplog: pytest.LogCaptureFixtu
         engine = Engine(config(kv_cache_precision="u8"))
     assert engine.batch is not None and not engine.batch.model.rows_accessible
     assert "prefilled by OpenVINO" in caplog.text
+    assert engine.batch_stats()["prompt_runtime"] == "openvino"
     steps = engine.batch.steps
     result = ask(engine, CASES["image_photo"])
     assert engine.batch.steps - steps >= len(result.token_ids)  # the prefill stepped too
@@ -173,7 +205,9 @@ def test_onnxruntime_without_graphs_says_how_to_make_them(tmp_path: Path) -> Non
 
 
 def test_daemon_serves_with_prompts_on_onnxruntime(tmp_path: Path) -> None:
-    daemon = Daemon(tmp_path, args=["--set", "model.prompt_backend=onnxruntime",
+    port = free_port()
+    daemon = Daemon(tmp_path, metrics_listen=f"127.0.0.1:{port}",
+                    args=["--set", "model.prompt_backend=onnxruntime",
                                     "--set", "model.precision=f32",
                                     "--set", "model.kv_cache_precision=f32"]).start()
     try:
@@ -181,10 +215,20 @@ def test_daemon_serves_with_prompts_on_onnxruntime(tmp_path: Path) -> None:
         with daemon.client() as client:
             status = client.status()
             assert status["model"]["runtime"]["PROMPT_BACKEND"].startswith("onnxruntime")
+            assert status["batch"]["prompt_runtime"] == "onnxruntime"
+            before = scrape(port)
+            rows = ("qvld_prefill_tokens_total", (("runtime", "onnxruntime"),))
+            assert before[rows] == 0  # shown before it has run (the warm-up is not counted)
+            computed = 0
             for _ in range(2):  # the second from the image cache and the prefix cache
                 result = client.generate({"messages": with_image_bytes(case["messages"], TINY),
                                           "max_tokens": case["max_new_tokens"],
                                           "temperature": 0})
                 assert result["token_ids"] == case["token_ids"]
+                usage = result["usage"]
+                computed += usage["prompt_tokens"] - usage["cached_tokens"]
+            after = scrape(port)
+            assert after[rows] == computed > 0
+            assert after.get(("qvld_prefill_tokens_total", (("runtime", "openvino"),)), 0) == 0
     finally:
         assert daemon.stop() == 0, daemon.log()
