@@ -461,7 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     onnx = msub.add_parser("export-onnx", help="checkpoint -> ONNX graphs for "
                                                "model.backend: onnxruntime (convert extra)")
     onnx.add_argument("src", help="a Hugging Face checkpoint: a directory or a hub id")
-    onnx.add_argument("dst", type=Path, help="the directory to write the graphs to")
+    onnx.add_argument("dst", type=Path,
+                      help="a new directory for the graphs, or one holding this "
+                           "checkpoint's OpenVINO IR: the graphs go beside it (images "
+                           "and prompts on ONNX Runtime, model.prompt_backend)")
     onnx.add_argument("--weights", choices=["fp32", "int8"], default="int8",
                       help="int8 (default): onnxruntime's dynamic quantisation of every "
                            "MatMul weight, per output channel")

@@ -1,18 +1,25 @@
 """`qvlctl model convert`'s frame around an exporter: progress while it runs, the result
-moved into place only once it answers. The exporters themselves (optimum-intel, the ONNX
-export) run in the reference tier (tests/reference/test_model_convert.py)."""
+moved into place only once it answers; `export-onnx` into a directory holding the IR adds
+the graphs only when they are the same checkpoint's and the directory then serves. The
+exporters themselves (optimum-intel, the ONNX export) run in the reference tier
+(tests/reference/test_model_convert.py)."""
 
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from qvld.config import Config
+from qvld.engine import Engine
 from qvld.engine.model_dir import SUBMODELS
-from qvld.modeltools.convert import ExportProgress, write_model
+from qvld.errors import ModelInvalid
+from qvld.modeltools.convert import ExportProgress, add_beside_ir, write_model
 from tests.conftest import TINY, wait_for
 
 
@@ -93,3 +100,114 @@ def test_a_failed_export_leaves_nothing_and_restores_tempdir(tmp_path: Path) -> 
     with pytest.raises(RuntimeError, match="tracing failed"):
         write_model(str(TINY), tmp_path / "out", "as a copy", export)
     assert list(tmp_path.iterdir()) == [] and tempfile.gettempdir() == before
+
+
+# -- `qvlctl model export-onnx` into a directory that holds the IR ----------------------
+
+def ir_only(tmp_path: Path) -> Path:
+    model = tmp_path / "models" / "tiny"
+    shutil.copytree(TINY, model, ignore=shutil.ignore_patterns("onnx_*", "images"))
+    return model
+
+
+def onnx_export_of(checkpoint: Path, tamper: Callable[[Path], None] | None = None
+                   ) -> Callable[[Path, Path], None]:
+    """An exporter that writes the committed fixture's ONNX graphs (the same checkpoint
+    as its IR) and side files, optionally changed by ``tamper``."""
+    def export(source: Path, out: Path) -> None:
+        for path in checkpoint.iterdir():
+            if path.is_file() and not path.name.startswith("openvino_"):
+                shutil.copy(path, out / path.name)
+        if tamper is not None:
+            tamper(out)
+    return export
+
+
+def state(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_graphs_are_added_beside_the_ir_and_the_split_serves(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = ir_only(tmp_path)
+    before = state(model)
+    assert add_beside_ir(str(TINY), model, "to ONNX", onnx_export_of(TINY)) == 0
+    after = state(model)
+    added = sorted(set(after) - set(before))
+    assert added == sorted(f"onnx_{sub}.onnx" for sub in SUBMODELS)
+    assert all(after[name] == before[name] for name in before)  # the IR's files untouched
+    assert list((tmp_path / "models").iterdir()) == [model]  # no partial directory left
+    err = capsys.readouterr().err
+    assert "serves with images and prompts on ONNX Runtime" in err
+    # The fixture's graphs are fp32, which auto leaves alone: the message says how.
+    assert "set model.prompt_backend: onnxruntime" in err
+    engine = Engine(Config.model_validate({"model": {
+        "path": str(model), "prompt_backend": "onnxruntime"}}))
+    assert engine.prompt_runtime == "onnxruntime"
+
+
+def test_a_directory_with_graphs_already_is_left_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "both"
+    shutil.copytree(TINY, model)
+    before = state(model)
+    ran: list[Path] = []
+    assert add_beside_ir(str(TINY), model, "to ONNX", lambda s, o: ran.append(o)) == 2
+    assert "already holds ONNX graphs" in capsys.readouterr().err
+    assert not ran and state(model) == before
+
+
+def test_graphs_of_another_checkpoint_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    def other_weights(out: Path) -> None:
+        # Same dimensions, other (random) embedding weights: another training run.
+        path = out / "onnx_text_embeddings_model.onnx"
+        proto = onnx.load(str(path))
+        for i, tensor in enumerate(proto.graph.initializer):
+            table = numpy_helper.to_array(tensor)
+            if table.ndim == 2:
+                other = np.random.default_rng(0).standard_normal(table.shape).astype(table.dtype)
+                proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(other, tensor.name))
+        onnx.save(proto, str(path))
+
+    model = ir_only(tmp_path)
+    before = state(model)
+    assert add_beside_ir(str(TINY), model, "to ONNX", onnx_export_of(TINY, other_weights)) == 2
+    assert "the text embeddings differ" in capsys.readouterr().err
+    assert state(model) == before and list((tmp_path / "models").iterdir()) == [model]
+
+    def deeper(out: Path) -> None:  # another model's config beside the graphs
+        config = json.loads((out / "config.json").read_text())
+        config["text_config"]["num_hidden_layers"] += 1
+        (out / "config.json").write_text(json.dumps(config))
+
+    assert add_beside_ir(str(TINY), model, "to ONNX", onnx_export_of(TINY, deeper)) == 2
+    assert "dimensions differ (num_layers" in capsys.readouterr().err
+    assert state(model) == before
+
+
+def test_graphs_that_do_not_serve_are_taken_out_again(tmp_path: Path) -> None:
+    def broken(out: Path) -> None:
+        (out / "onnx_language_model.onnx").write_bytes(b"not a graph")
+
+    model = ir_only(tmp_path)
+    before = state(model)
+    with pytest.raises(ModelInvalid, match=r"onnx_language_model\.onnx cannot be loaded"):
+        add_beside_ir(str(TINY), model, "to ONNX", onnx_export_of(TINY, broken))
+    assert state(model) == before and list((tmp_path / "models").iterdir()) == [model]
+
+
+def test_export_onnx_adds_beside_an_ir_and_writes_a_new_directory_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qvld.modeltools import onnx_export
+
+    calls: list[str] = []
+    monkeypatch.setattr(onnx_export, "add_beside_ir", lambda *a: calls.append("beside") or 0)
+    monkeypatch.setattr(onnx_export, "write_model", lambda *a, **k: calls.append("new") or 0)
+    onnx_export.export_onnx(str(TINY), ir_only(tmp_path), "int8")
+    onnx_export.export_onnx(str(TINY), tmp_path / "fresh", "int8")
+    assert calls == ["beside", "new"]

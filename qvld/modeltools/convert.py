@@ -14,7 +14,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -92,7 +93,7 @@ def export(src: Path, dst: Path, recipe: Recipe) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def check_serves(path: Path, backend: str = "openvino") -> str:
+def check_serves(path: Path, backend: str = "openvino", prompt_backend: str = "auto") -> str:
     """Load the result with the engine and answer one question about an image."""
     import io
 
@@ -102,7 +103,8 @@ def check_serves(path: Path, backend: str = "openvino") -> str:
     from qvld.config import Config, EngineConfig, ModelConfig
     from qvld.engine import Engine, GenerateRequest
 
-    engine = Engine(Config(model=ModelConfig(path=path, backend=backend),
+    engine = Engine(Config(model=ModelConfig(path=path, backend=backend,
+                                             prompt_backend=prompt_backend),
                            engine=EngineConfig(infer_requests=1)))
     pixels = (np.indices((64, 96)).sum(0) % 255).astype(np.uint8)
     buf = io.BytesIO()
@@ -206,6 +208,21 @@ def write_model(src: str, dst: Path, what: str, export: Callable[[Path, Path], N
     if dst.exists():
         _say(f"{dst} exists; remove it or choose another destination")
         return 2
+    with exported(src, dst, what, export) as partial:
+        _say("checking it answers")
+        answer = check_serves(partial, backend)
+        partial.rename(dst)
+    where = "" if backend == "openvino" else f" with model.backend: {backend}"
+    _say(f"ok: {dst} serves{where} (sample answer: {answer[:60]!r})")
+    return 0
+
+
+@contextmanager
+def exported(src: str, dst: Path, what: str,
+             export: Callable[[Path, Path], None]) -> Iterator[Path]:
+    """The checkpoint ``src`` exported by ``export(source, directory)`` into a partial
+    directory beside ``dst`` (same file system: its files can be renamed into place),
+    with progress shown; removed on leaving unless renamed away meanwhile."""
     source = resolve_source(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
@@ -224,15 +241,83 @@ def write_model(src: str, dst: Path, what: str, export: Callable[[Path, Path], N
         finally:
             tempfile.tempdir = saved_tempdir
         shutil.rmtree(scratch, ignore_errors=True)
-        _say(f"exported in {time.perf_counter() - t0:.0f} s; checking it answers")
-        answer = check_serves(partial, backend)
-        partial.rename(dst)
-    except BaseException:
+        _say(f"exported in {time.perf_counter() - t0:.0f} s")
+        yield partial
+    finally:
         shutil.rmtree(partial, ignore_errors=True)
-        raise
-    where = "" if backend == "openvino" else f" with model.backend: {backend}"
-    _say(f"ok: {dst} serves{where} (sample answer: {answer[:60]!r})")
+
+
+def add_beside_ir(src: str, dst: Path, what: str,
+                  export: Callable[[Path, Path], None]) -> int:
+    """Export ONNX graphs of ``src`` into ``dst``, a directory that holds the OpenVINO IR
+    of the same checkpoint, for ``model.prompt_backend``. The graphs are written beside
+    ``dst`` first and must be of the IR's checkpoint (the same dimensions, and text
+    embeddings that agree); they are then moved in and the directory must answer with
+    images and prompts on ONNX Runtime, or they are taken out again: ``dst`` ends as it
+    was or serving both ways."""
+    present = sorted(p.name for p in dst.glob("onnx_*"))
+    if present:
+        _say(f"{dst} already holds ONNX graphs ({', '.join(present)}); remove them "
+             "(rm DIR/onnx_*) to export them again")
+        return 2
+    with exported(src, dst, what, export) as partial:
+        mismatch = checkpoint_mismatch(dst, partial)
+        if mismatch:
+            _say(f"not added: {mismatch}; export the checkpoint {dst} was converted from, "
+                 "or into a new directory")
+            return 2
+        moved: list[Path] = []
+        try:
+            for graph in sorted(partial.glob("onnx_*")):
+                graph.rename(dst / graph.name)
+                moved.append(dst / graph.name)
+            _say("checking it answers with images and prompts on ONNX Runtime")
+            answer = check_serves(dst, prompt_backend="onnxruntime")
+        except BaseException:
+            for path in moved:  # the directory as it was
+                path.unlink(missing_ok=True)
+            raise
+    from qvld.engine.model_dir import onnx_path, onnx_weights
+
+    auto = onnx_weights(onnx_path(dst, "language_model")) == "int8"
+    _say(f"ok: {dst} serves with images and prompts on ONNX Runtime (sample answer: "
+         f"{answer[:60]!r}); " + ("model.prompt_backend: auto uses them" if auto else
+                                  "auto uses int8 graphs only: set model.prompt_backend: "
+                                  "onnxruntime to use these"))
     return 0
+
+
+def checkpoint_mismatch(ir_dir: Path, onnx_dir: Path) -> str | None:
+    """Why the ONNX graphs in ``onnx_dir`` are not of the checkpoint ``ir_dir``'s IR was
+    made from, or None: the models' dimensions, then the text embeddings of tokens across
+    the vocabulary (weights are compared without loading the large graphs: different
+    checkpoints share no direction, int8 tables of one agree at cosine > 0.99)."""
+    import numpy as np
+    import onnxruntime as ort
+    import openvino as ov
+
+    from qvld.engine.model_dir import ir_path, load_model_spec, onnx_path
+
+    dims = ("hidden_size", "num_layers", "num_kv_heads", "head_dim", "vocab_size")
+    ir_spec = load_model_spec(ir_dir, "openvino")
+    onnx_spec = load_model_spec(onnx_dir, "onnxruntime")
+    differ = [f"{d} {getattr(ir_spec, d)} vs {getattr(onnx_spec, d)}" for d in dims
+              if getattr(ir_spec, d) != getattr(onnx_spec, d)]
+    if differ or ir_spec.vision != onnx_spec.vision:
+        return "the models' dimensions differ (" + (", ".join(differ) or "vision") + ")"
+    ids = np.linspace(0, ir_spec.vocab_size - 1, 64).astype(np.int64).reshape(1, -1)
+    compiled = ov.Core().compile_model(ir_path(ir_dir, "text_embeddings_model"), "CPU",
+                                       {"INFERENCE_PRECISION_HINT": "f32"})
+    ir_rows = np.asarray(compiled(ids)[0])[0]
+    session = ort.InferenceSession(str(onnx_path(onnx_dir, "text_embeddings_model")),
+                                   providers=["CPUExecutionProvider"])
+    onnx_rows = np.asarray(session.run(None, {"input": ids})[0])[0]
+    cosine = (ir_rows * onnx_rows).sum(-1) / np.maximum(
+        np.linalg.norm(ir_rows, axis=-1) * np.linalg.norm(onnx_rows, axis=-1), 1e-12)
+    if float(cosine.min()) < 0.98:
+        return (f"the text embeddings differ (cosine {float(cosine.min()):.3f} at worst "
+                "over 64 tokens): another checkpoint's weights")
+    return None
 
 
 def convert(src: str, dst: Path, recipe: Recipe) -> int:

@@ -42,8 +42,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from qvld.engine.model_dir import SUBMODELS, onnx_path
-from qvld.modeltools.convert import SIDE_FILES, write_model
+from qvld.engine.model_dir import SUBMODELS, ir_path, onnx_path
+from qvld.modeltools.convert import SIDE_FILES, add_beside_ir, write_model
 
 # The ONNX opset: 17 has LayerNormalization, which ONNX Runtime fuses further.
 OPSET = 17
@@ -320,7 +320,13 @@ def export_directory(source: Path, out: Path, weights: str) -> None:
 
 
 def export_onnx(src: str, dst: Path, weights: str) -> int:
-    """``qvlctl model export-onnx``: export, quantise, check it answers, move into place."""
-    return write_model(src, dst, f"to ONNX with {weights} weights",
-                       lambda source, out: export_directory(source, out, weights),
-                       backend="onnxruntime")
+    """``qvlctl model export-onnx``: export, quantise, check it answers, move into place;
+    into a directory holding the checkpoint's OpenVINO IR, beside it (prompt backend)."""
+    what = f"to ONNX with {weights} weights"
+
+    def run(source: Path, out: Path) -> None:
+        export_directory(source, out, weights)
+
+    if ir_path(dst, "language_model").is_file():
+        return add_beside_ir(src, dst, what, run)
+    return write_model(src, dst, what, run, backend="onnxruntime")

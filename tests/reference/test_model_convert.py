@@ -131,3 +131,35 @@ def test_export_onnx_and_serve_it(checkpoint: Path, tmp_path: Path, weights: str
         verify = qvlctl("model", "verify", str(dst), "--backend", "onnxruntime", "--reference",
                         str(ROOT / "tests/fixtures/models/tiny/reference.json"), "--json")
         assert json.loads(verify.stdout)["token_agreement"] == 1.0, verify.stdout
+
+
+def test_export_onnx_into_the_ir_directory_and_serve_the_split(checkpoint: Path,
+                                                                tmp_path: Path) -> None:
+    # The README's route to model.prompt_backend: convert, then export-onnx into the same
+    # directory; int8 graphs, so auto takes them.
+    dst = tmp_path / "tiny-int8"
+    assert qvlctl("model", "convert", str(checkpoint), str(dst)).returncode == 0
+    ir_files = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
+    out = qvlctl("model", "export-onnx", str(checkpoint), str(dst), "--weights", "int8")
+    assert out.returncode == 0, out.stderr
+    assert "serves with images and prompts on ONNX Runtime" in out.stderr
+    assert "model.prompt_backend: auto uses them" in out.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()
+            if not p.name.startswith("onnx_")} == ir_files  # the IR's files untouched
+    assert sorted(p.name for p in dst.glob("onnx_*")) == sorted(
+        [f"onnx_{sub}.onnx" for sub in SUBMODELS])
+    assert not list(tmp_path.glob(".*partial*"))
+    daemon = Daemon(tmp_path, model=dst).start()
+    try:
+        with daemon.client() as client:
+            status = client.status()
+            assert status["model"]["runtime"]["PROMPT_BACKEND"] == \
+                "onnxruntime 1.32.0 (weights int8)"
+            assert status["batch"]["prompt_runtime"] == "onnxruntime"
+            result = client.generate({"messages": [{"role": "user", "content": "Hi"}],
+                                      "max_tokens": 4, "temperature": 0})
+        assert len(result["token_ids"]) == 4
+    finally:
+        assert daemon.stop() == 0
+    again = qvlctl("model", "export-onnx", str(checkpoint), str(dst))
+    assert again.returncode == 2 and "already holds ONNX graphs" in again.stderr
