@@ -1,11 +1,15 @@
-"""Where an ONNX Runtime decode step goes: ORT's own per-node profile, by op type.
+"""Where ONNX Runtime's time goes: its own per-node profile, by op type.
 
-    python bench/ort_profile.py ONNX_MODEL_DIR [--prompt 215] [--steps 16]
+    python bench/ort_profile.py ONNX_MODEL_DIR [--part decode|prefill|vision]
+        [--prompt 215] [--steps 16] [--patches 784]
 
-Runs the language-model graph alone with qvld's session options: a random prompt of
-``--prompt`` rows, then ``--steps`` one-row decode steps feeding each step's presents back
-as the next step's pasts. Prints ms per step and the share of each op type over the decode
-steps only (the prefill is left out).
+Runs one graph alone with qvld's session options. ``decode`` (the default) and
+``prefill``: the language model on a random prompt of ``--prompt`` rows, then ``--steps``
+one-row decode steps feeding each step's presents back as the next step's pasts; the
+profile is of the decode steps or of the prompt (run twice, the second profiled: the
+first repacks weights). ``vision``: the vision blocks and merger on ``--patches`` patches
+of one image (784: a 448x448 image), run twice, the second profiled. Prints the time and
+the share of each op type.
 """
 
 from __future__ import annotations
@@ -29,12 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", type=Path)
     parser.add_argument("--prompt", type=int, default=215)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--part", choices=["decode", "prefill", "vision"], default="decode")
+    parser.add_argument("--patches", type=int, default=784)
     args = parser.parse_args(argv)
 
     register_shared_arena()
     options = session_options(EngineConfig())
     options.enable_profiling = True
     options.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort")
+    if args.part == "vision":
+        return profile_vision(args.model, options, args.patches)
     session = ort.InferenceSession(str(args.model / "onnx_language_model.onnx"), options,
                                    providers=["CPUExecutionProvider"])
     pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
@@ -55,24 +63,59 @@ def main(argv: list[str] | None = None) -> int:
         cache.update({n.replace("present.", "past_key_values."): v
                       for n, v in zip(names[1:], out[1:], strict=True)})
 
+    if args.part == "prefill":
+        saved = dict(cache)
+        run(args.prompt, 0)
+        cache.update(saved)
+        t0 = time.perf_counter()
+        run(args.prompt, 0)
+        print(f"prefill: {(time.perf_counter() - t0) * 1000:.0f} ms for {args.prompt} rows")
+        print_ops(session, skip_runs=1, runs=1)
+        return 0
     run(args.prompt, 0)
     t0 = time.perf_counter()
     for step in range(args.steps):
         run(1, args.prompt + step)
     print(f"decode: {(time.perf_counter() - t0) / args.steps * 1000:.1f} ms/step at "
           f"{args.prompt}-{args.prompt + args.steps} tokens of context")
+    print_ops(session, skip_runs=1, runs=args.steps)
+    return 0
+
+
+def profile_vision(model: Path, options: ort.SessionOptions, patches: int) -> int:
+    session = ort.InferenceSession(str(model / "onnx_vision_embeddings_merger_model.onnx"),
+                                   options, providers=["CPUExecutionProvider"])
+    hidden = session.get_inputs()[0].shape[1]
+    rotary = session.get_inputs()[-1].shape[1]
+    rng = np.random.default_rng(0)
+    feeds = {"hidden_states": (rng.random((patches, hidden)) * 0.1).astype(np.float32),
+             "attention_mask": np.zeros((1, patches, patches), np.float32),
+             "rotary_pos_emb": rng.random((patches, rotary)).astype(np.float32)}
+    declared = {i.name for i in session.get_inputs()}  # graphs before 2026-12 take a mask
+    feeds = {name: value for name, value in feeds.items() if name in declared}
+    session.run(None, feeds)
+    t0 = time.perf_counter()
+    session.run(None, feeds)
+    print(f"vision blocks + merger: {(time.perf_counter() - t0) * 1000:.0f} ms for "
+          f"{patches} patches")
+    print_ops(session, skip_runs=1, runs=1)
+    return 0
+
+
+def print_ops(session: ort.InferenceSession, skip_runs: int, runs: int) -> None:
+    """Kernel time by op type over the runs after the first ``skip_runs``."""
     events = json.loads(Path(session.end_profiling()).read_text())
-    first = next(e for e in events if e.get("name") == "model_run")
-    after = first["ts"] + first["dur"]
+    done = [e for e in events if e.get("name") == "model_run"]
+    after = done[skip_runs - 1]["ts"] + done[skip_runs - 1]["dur"]
     by_op: collections.Counter[str] = collections.Counter()
     for event in events:
         if event["ts"] > after and event.get("cat") == "Node" \
                 and event["name"].endswith("_kernel_time"):
             by_op[event["args"]["op_name"]] += event["dur"]
     total = sum(by_op.values())
+    print(f"{'op':30s} {'ms per run':>10s} share")
     for op, micros in by_op.most_common(12):
-        print(f"{op:30s} {micros / 1000:8.1f} ms {micros / total:6.1%}")
-    return 0
+        print(f"{op:30s} {micros / 1000 / runs:10.1f} {micros / total:6.1%}")
 
 
 if __name__ == "__main__":

@@ -140,6 +140,8 @@ class Slot(SlotBase):
         self._vision = models.sessions.get("vision_embeddings_model")
         self._vision_pos = models.sessions.get("vision_embeddings_pos_model")
         self._merger = models.sessions.get("vision_embeddings_merger_model")
+        self._merger_takes_mask = self._merger is not None and "attention_mask" in {
+            i.name for i in self._merger.get_inputs()}
         self._binding = self._lm.io_binding()
         self._empty = np.zeros(models.kv_shape, dtype=np.float32)
         # The cache: the last step's present.* outputs, or arrays after a trim (kept
@@ -217,6 +219,9 @@ class Slot(SlotBase):
 
     def vision_merge(self, hidden: np.ndarray, mask: np.ndarray,
                      rotary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        out = self._run(self._merger, {"hidden_states": np.ascontiguousarray(hidden, np.float32),
-                                       "attention_mask": mask, "rotary_pos_emb": rotary})
+        feeds = {"hidden_states": np.ascontiguousarray(hidden, np.float32),
+                 "rotary_pos_emb": rotary}
+        if self._merger_takes_mask:  # exported before the merger dropped it (one image)
+            feeds["attention_mask"] = mask
+        out = self._run(self._merger, feeds)
         return np.asarray(out[0]), np.asarray(out[1])

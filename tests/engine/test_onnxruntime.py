@@ -161,6 +161,23 @@ def test_int8_graphs_quantise_the_matmuls_and_still_answer(tmp_path: Path,
     assert max(language, key=language.get) == "int8", language
 
 
+def test_the_merger_needs_no_mask_and_a_graph_that_takes_one_is_fed_it(tmp_path: Path
+                                                                       ) -> None:
+    # Graphs are exported without the vision merger's attention mask (one image per call:
+    # all zeros); graphs exported before take one, and ONNX Runtime refuses a run that
+    # leaves a declared input unfed: a directory of those must still answer exactly.
+    graph = onnx.load(str(TINY / "onnx_vision_embeddings_merger_model.onnx"))
+    assert [i.name for i in graph.graph.input] == ["hidden_states", "rotary_pos_emb"]
+    assert "Gelu" in {node.op_type for node in graph.graph.node}  # opset 20: one op
+    older = tmp_path / "older"
+    shutil.copytree(TINY, older)
+    graph.graph.input.insert(1, onnx.helper.make_tensor_value_info(
+        "attention_mask", onnx.TensorProto.FLOAT, [1, "patches", "patches"]))
+    onnx.save(graph, str(older / "onnx_vision_embeddings_merger_model.onnx"))
+    case = CASES["image_photo"]
+    assert ask(Engine(ort_config(older)), case, TINY).token_ids == case["token_ids"]
+
+
 def test_large_graphs_keep_their_weights_in_one_aligned_data_file(tmp_path: Path) -> None:
     # What the exporter gets for a full-size graph: one external file per tensor.
     scattered = tmp_path / "traced" / "model.onnx"
