@@ -118,6 +118,7 @@ bench: bench-int8
 	  $(BENCH_MODELS)/qwen3-vl-2b-onnx-fp32 --weights fp32
 	test -d $(BENCH_MODELS)/qwen3-vl-2b-onnx-int8 || $(BIN)/qvlctl model export-onnx $(BENCH_HF) \
 	  $(BENCH_MODELS)/qwen3-vl-2b-onnx-int8 --weights int8
+	$(BIN)/python bench/first_token.py $(BENCH_MODELS) --link-only
 	$(BIN)/python bench/peers.py $(BENCH_MODELS) --rounds 3 --json $(BENCH_MODELS)/peers.json
 
 # Concurrent clients (1, 2, 4, 8): qvld with and without continuous batching against

@@ -49,7 +49,16 @@ from typing import Any
 import numpy as np
 import yaml
 from scenes import scene_image
-from systems import PROMPT, _start_daemon, ensure_tokenizer_ir, peak_rss, png, token_stamps, user
+from systems import (
+    PROMPT,
+    TokenEvents,
+    _start_daemon,
+    ensure_tokenizer_ir,
+    peak_rss,
+    png,
+    token_stamps,
+    user,
+)
 
 BOTH = "qwen3-vl-2b-int8-ir+onnx"
 SYSTEMS = {  # name: (model directory under BENCH_DIR, what it is)
@@ -273,19 +282,18 @@ class DaemonWorker:
     def ask(self, image: bytes, tokens: int, load: int) -> dict[str, Any]:
         from qvlctl.client import Client
 
-        stamps: list[float] = []
+        events = TokenEvents()
         with Client(self.workdir / "qvld.sock", timeout=600) as client:
             t0 = time.perf_counter()
             reply = client.generate(
                 {"messages": user(image, PROMPT), "max_tokens": tokens, "temperature": 0,
-                 "ignore_eos": True},
-                on_token=lambda text, ids: stamps.append(time.perf_counter()))
-        ttft = stamps[0] - t0
+                 "ignore_eos": True}, on_token=events.add)
+        ttft = events.first - t0
         inside = reply["timings"]["ttft_s"]
         return {"ttft_s": ttft, "engine_ttft_s": inside,
                 "stages": [["daemon: prepare, encode, prefill (its own TTFT)", inside],
                            ["socket, frames, scheduler", ttft - inside]],
-                "tpot_s": (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1),
+                "tpot_s": events.per_token(),
                 "prompt_tokens": reply["usage"]["prompt_tokens"], "load": load}
 
     def close(self) -> None:
@@ -414,6 +422,18 @@ class Worker:
         self.proc.wait(120)
 
 
+def paired(results: list[dict[str, Any]], system: str, peer: str, size: str) -> str:
+    """The median over rounds of ``system``'s TTFT / ``peer``'s in the same round (run
+    next to each other: what the machine's load does between rounds cancels out)."""
+    if system == peer:
+        return "-"
+    ttft = {(r["system"], r["round"]): r["ttft_s"] for r in results
+            if r["size"] == size and r.get("load", 0) == 0}
+    ratios = [ttft[(system, rnd)] / ttft[(peer, rnd)] for (name, rnd) in ttft
+              if name == system and (peer, rnd) in ttft]
+    return f"{statistics.median(ratios):.2f}×" if ratios else "-"
+
+
 def spread(values: list[float]) -> float:
     """(max - min) / median."""
     return (max(values) - min(values)) / statistics.median(values) if values else 0.0
@@ -436,9 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="qvld setting for the qvld systems (repeatable)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--link-only", action="store_true",
+                        help=f"make {BOTH} (links to the IR and the ONNX graphs) and stop")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.bench_dir, args.set)
+    if args.link_only:
+        both_formats(args.bench_dir)
+        return 0
 
     systems = args.systems.split(",")
     sizes = args.sizes.split(",")
@@ -486,8 +511,9 @@ def report(results: list[dict[str, Any]]) -> None:
     for size, load in keys:
         rows = [r for r in results if r["size"] == size and r.get("load", 0) == load]
         print(f"\n## {size} image, {load} other generations decoding\n")
-        print("| system | TTFT per round s | median s | spread | vs GenAI | ms/token |")
-        print("|---|---|---|---|---|---|")
+        print("| system | TTFT per round s | median s | spread | vs GenAI | vs GenAI, paired "
+              "| vs qvld-ort, paired | ms/token |")
+        print("|---|---|---|---|---|---|---|---|")
         genai = [r["ttft_s"] for r in results if r["system"] == "genai" and r["size"] == size]
         genai_median = statistics.median(genai) if genai else None
         for system in dict.fromkeys(r["system"] for r in rows):
@@ -496,8 +522,9 @@ def report(results: list[dict[str, Any]]) -> None:
             median = statistics.median(ttfts)
             vs = f"{median / genai_median:.2f}×" if genai_median else "-"
             print(f"| {system} | {' / '.join(f'{t:.2f}' for t in ttfts)} | {median:.2f} | "
-                  f"{spread(ttfts) * 100:.0f} % | {vs} | "
-                  f"{statistics.median(tpots) * 1000:.1f} |")
+                  f"{spread(ttfts) * 100:.0f} % | {vs} | {paired(results, system, 'genai', size)} "
+                  f"| {paired(results, system, 'qvld-ort', size)} "
+                  f"| {statistics.median(tpots) * 1000:.1f} |")
         for system in dict.fromkeys(r["system"] for r in rows):
             runs = [r for r in rows if r["system"] == system]
             print(f"\n{system} (median over rounds of each stage, s):")

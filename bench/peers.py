@@ -45,6 +45,10 @@ ROWS = [
     Row("qvld engine, int8 (qvld recipe)", "qvld", "qwen3-vl-2b-int8-sym", "8"),
     Row("qvld daemon + qvlctl client, int8", "daemon", "qwen3-vl-2b-int8-sym", "8"),
     Row("qvld engine, int8 (optimum-cli IR)", "qvld", "qwen3-vl-2b-int8", "8"),
+    # The same IR with int8 ONNX graphs beside it (bench/first_token.py links them):
+    # images and prompts on ONNX Runtime, decoding on OpenVINO (model.prompt_backend auto).
+    Row("qvld engine, int8 (optimum-cli IR + int8 ONNX graphs)", "qvld",
+        "qwen3-vl-2b-int8-ir+onnx", "8"),
     Row("GenAI VLMPipeline, int8 (optimum-cli IR)", "genai", "qwen3-vl-2b-int8", "8"),
     Row("GenAI VLMPipeline, int8 (qvld IR)", "genai", "qwen3-vl-2b-int8-sym", "8"),
     Row("optimum-intel, int8 (optimum-cli IR)", "optimum", "qwen3-vl-2b-int8", "8"),

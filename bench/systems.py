@@ -138,14 +138,13 @@ def run_daemon(model: Path, size: int, tokens: int, seed: int, **_: Any) -> Resu
             sock = workdir / "qvld.sock"
 
             def ask(image: bytes, n: int) -> tuple[float, float, Result]:
-                stamps: list[float] = []
+                events = TokenEvents()
                 with Client(sock, timeout=600) as client:
                     t0 = time.perf_counter()
                     reply = client.generate(
                         {"messages": user(image, PROMPT), "max_tokens": n, "temperature": 0,
-                         "ignore_eos": True},
-                        on_token=lambda text, ids: stamps.append(time.perf_counter()))
-                return stamps[0] - t0, (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1), reply
+                         "ignore_eos": True}, on_token=events.add)
+                return events.first - t0, events.per_token(), reply
 
             ask(png(scene_image(size, seed + 1000)), tokens)  # warm-up
             ttft, tpot, reply = ask(png(scene_image(size, seed)), tokens)
@@ -184,6 +183,26 @@ def ensure_tokenizer_ir(model: Path) -> None:
                                                with_detokenizer=True)
     save_model(tokenizer, model / "openvino_tokenizer.xml")
     save_model(detokenizer, model / "openvino_detokenizer.xml")
+
+
+class TokenEvents:
+    """A stream's token events as a client sees them: one event may carry several tokens
+    (the daemon sends text when it is whole), so time per token counts the ids."""
+
+    def __init__(self) -> None:
+        self.stamps: list[tuple[float, int]] = []
+
+    def add(self, text: str, ids: list[int]) -> None:
+        self.stamps.append((time.perf_counter(), len(ids)))
+
+    @property
+    def first(self) -> float:
+        return self.stamps[0][0]
+
+    def per_token(self) -> float:
+        """Seconds per token after the first event's."""
+        later = sum(n for _, n in self.stamps[1:])
+        return (self.stamps[-1][0] - self.stamps[0][0]) / max(later, 1)
 
 
 def token_stamps(stamps: list[float]) -> Any:
