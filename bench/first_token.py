@@ -455,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"meanwhile ({', '.join(BATCHED)} only)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="qvld setting for the qvld systems (repeatable)")
+    parser.add_argument("--model", action="append", default=[], metavar="SYSTEM=DIR",
+                        help="run SYSTEM on DIR (under bench_dir) instead of its own; a "
+                             "system named KIND@TAG (qvld-ort@before) runs KIND, so that "
+                             "two exports of one kind compare in one run")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--link-only", action="store_true",
                         help=f"make {BOTH} (links to the IR and the ONNX graphs) and stop")
@@ -471,12 +475,14 @@ def main(argv: list[str] | None = None) -> int:
     workers: dict[str, Worker] = {}
     if (args.bench_dir / "qwen3-vl-2b-onnx-int8").exists():
         both_formats(args.bench_dir)
+    models = dict(item.split("=", 1) for item in args.model)
     for system in systems:
-        model = args.bench_dir / SYSTEMS[system][0]
+        kind = system.split("@")[0]  # qvld-ort@before: qvld-ort on --model's directory
+        model = args.bench_dir / models.get(system, SYSTEMS[kind][0])
         if not model.exists():
             print(f"{system}: {model} missing, skipped", file=sys.stderr)
             continue
-        workers[system] = Worker(system, model, args.set)
+        workers[system] = Worker(kind, model, args.set)
         print(f"{system}: loaded in {workers[system].ready['load_s']:.1f} s, "
               f"RSS {workers[system].ready['rss'] / 2**30:.2f} GiB "
               f"{workers[system].ready['properties']}", flush=True)
