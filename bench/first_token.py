@@ -455,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"meanwhile ({', '.join(BATCHED)} only)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="qvld setting for the qvld systems (repeatable)")
+    parser.add_argument("--set-for", action="append", default=[],
+                        metavar="SYSTEM:SECTION.KEY=VALUE",
+                        help="a qvld setting for one system only (qvld@spin:engine.spin_wait=on)")
     parser.add_argument("--model", action="append", default=[], metavar="SYSTEM=DIR",
                         help="run SYSTEM on DIR (under bench_dir) instead of its own; a "
                              "system named KIND@TAG (qvld-ort@before) runs KIND, so that "
@@ -482,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         if not model.exists():
             print(f"{system}: {model} missing, skipped", file=sys.stderr)
             continue
-        workers[system] = Worker(kind, model, args.set)
+        own = [item.split(":", 1)[1] for item in args.set_for
+               if item.split(":", 1)[0] == system]
+        workers[system] = Worker(kind, model, [*args.set, *own])
         print(f"{system}: loaded in {workers[system].ready['load_s']:.1f} s, "
               f"RSS {workers[system].ready['rss'] / 2**30:.2f} GiB "
               f"{workers[system].ready['properties']}", flush=True)
@@ -492,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             for size in sizes:
                 for load in loads:
                     for system, w in workers.items():
-                        if load and system not in BATCHED:
+                        if load and system.split("@")[0] not in BATCHED:
                             continue
                         # A new image for every answer: none is in any cache.
                         seed = rnd * 100 + loads.index(load)

@@ -123,6 +123,10 @@ class EngineConfig(_Section):
     # seconds of the request's arrival is a bad_request; compiled grammars kept by content.
     grammar_compile_timeout_s: float = Field(5.0, gt=0, le=MAX_SECONDS)
     grammar_cache_size: int = Field(64, ge=0, le=65_536)
+    # Whether ONNX Runtime's threads spin between ops waiting for work. auto: not where
+    # they share the cores with OpenVINO's (model.prompt_backend: a prompt prefilled
+    # while others decode), where spinning threads take the CPU from the other runtime.
+    spin_wait: bool | Literal["auto"] = "auto"
 
     @field_validator("streams")
     @classmethod

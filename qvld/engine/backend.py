@@ -78,7 +78,8 @@ def _prompt_models(spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineCo
     # ONNX Runtime computes at f32 with an f32 KV cache whatever OpenVINO is set to.
     onnx_cfg = model_cfg.model_copy(update={"precision": "auto", "kv_cache_precision": "auto"})
     prompt: Models = _session_models()(spec, onnx_cfg, engine_cfg,
-                                       submodels=(*VISION_SUBMODELS, "language_model"))
+                                       submodels=(*VISION_SUBMODELS, "language_model"),
+                                       beside=True)
     return prompt
 
 

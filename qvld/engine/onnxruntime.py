@@ -28,7 +28,7 @@ from qvld.engine.slots import SlotBase
 from qvld.errors import ModelInvalid
 
 
-def session_options(engine_cfg: EngineConfig) -> ort.SessionOptions:
+def session_options(engine_cfg: EngineConfig, spin: bool = True) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -39,6 +39,9 @@ def session_options(engine_cfg: EngineConfig) -> ort.SessionOptions:
     options.enable_cpu_mem_arena = True
     options.enable_mem_pattern = False
     options.add_session_config_entry("session.use_env_allocators", "1")
+    # Spinning threads answer the next op sooner, and take the cores from whatever else
+    # runs (another runtime's threads: engine.spin_wait).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     options.log_severity_level = 3  # errors only: warnings about unused initialisers
     return options
 
@@ -65,15 +68,17 @@ class SessionModels:
     """The five InferenceSessions of one model directory."""
 
     def __init__(self, spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                 submodels: tuple[str, ...] = SUBMODELS) -> None:
+                 submodels: tuple[str, ...] = SUBMODELS, beside: bool = False) -> None:
         """``submodels``: the graphs to load (for a prompt backend: the vision models and
-        the language model, not the embeddings another runtime already has)."""
+        the language model, not the embeddings another runtime already has); ``beside``:
+        another runtime runs in this process on the same cores (a prompt backend)."""
         if model_cfg.precision == "bf16" or model_cfg.kv_cache_precision not in ("auto", "f32"):
             raise ModelInvalid("the onnxruntime backend computes at f32 with an f32 KV cache: "
                                "leave model.precision and model.kv_cache_precision at auto "
                                "(or f32)")
         register_shared_arena()
-        options = session_options(engine_cfg)
+        spin = not beside if engine_cfg.spin_wait == "auto" else bool(engine_cfg.spin_wait)
+        options = session_options(engine_cfg, spin)
         providers = ["CPUExecutionProvider"]
 
         def load(submodel: str) -> ort.InferenceSession:
@@ -112,6 +117,7 @@ class SessionModels:
             "INFERENCE_PRECISION_HINT": "f32",
             "KV_CACHE_PRECISION": "f32",
             "INFERENCE_NUM_THREADS": str(options.intra_op_num_threads),
+            "SPIN_WAIT": "on" if spin else "off",
             # Written by the exporter into the graph's metadata.
             "WEIGHTS": lm.get_modelmeta().custom_metadata_map.get("qvld.weights", "unknown"),
         }

@@ -290,8 +290,10 @@ def add_beside_ir(src: str, dst: Path, what: str,
 def checkpoint_mismatch(ir_dir: Path, onnx_dir: Path) -> str | None:
     """Why the ONNX graphs in ``onnx_dir`` are not of the checkpoint ``ir_dir``'s IR was
     made from, or None: the models' dimensions, then the text embeddings of tokens across
-    the vocabulary (weights are compared without loading the large graphs: different
-    checkpoints share no direction, int8 tables of one agree at cosine > 0.99)."""
+    the vocabulary (weights are compared without loading the large graphs). Rows of
+    unrelated checkpoints are near orthogonal (|cosine| < 0.1 in 2048 dimensions); one
+    checkpoint's rows quantised per row to 4 bits still agree at about 0.97-0.99 with
+    outliers in the row, so the bar is 0.9. A fine-tune of the IR's checkpoint may pass."""
     import numpy as np
     import onnxruntime as ort
     import openvino as ov
@@ -314,7 +316,7 @@ def checkpoint_mismatch(ir_dir: Path, onnx_dir: Path) -> str | None:
     onnx_rows = np.asarray(session.run(None, {"input": ids})[0])[0]
     cosine = (ir_rows * onnx_rows).sum(-1) / np.maximum(
         np.linalg.norm(ir_rows, axis=-1) * np.linalg.norm(onnx_rows, axis=-1), 1e-12)
-    if float(cosine.min()) < 0.98:
+    if float(cosine.min()) < 0.9:
         return (f"the text embeddings differ (cosine {float(cosine.min()):.3f} at worst "
                 "over 64 tokens): another checkpoint's weights")
     return None

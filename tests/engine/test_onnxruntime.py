@@ -122,6 +122,16 @@ def test_runtime_properties_and_threads() -> None:
     assert engine.models.kv_bytes_per_token == 2 * 3 * 2 * 32 * 4  # f32, 3 layers, 2 heads
 
 
+def test_alone_its_threads_spin_unless_told_not_to(engine: Engine) -> None:
+    def spinning(models: Any) -> str:
+        options = models.sessions["language_model"].get_session_options()
+        return str(options.get_session_config_entry("session.intra_op.allow_spinning"))
+
+    assert spinning(engine.models) == "1"  # auto: nothing else runs on these cores
+    assert engine.models.runtime_properties["SPIN_WAIT"] == "on"
+    assert spinning(Engine(ort_config(spin_wait=False)).models) == "0"
+
+
 def test_int8_graphs_quantise_the_matmuls_and_still_answer(tmp_path: Path,
                                                            engine: Engine) -> None:
     model = tmp_path / "tiny-int8"

@@ -144,6 +144,21 @@ def test_status_shows_a_prompt_prefilled_on_onnxruntime(
     assert engine.batch_stats()["sequences"] == []
 
 
+def spinning(models: Any) -> str:
+    options = models.sessions["language_model"].get_session_options()
+    return str(options.get_session_config_entry("session.intra_op.allow_spinning"))
+
+
+def test_its_threads_do_not_spin_beside_openvinos_unless_asked(engine: Engine) -> None:
+    # Beside OpenVINO on the same cores (a prompt prefilled while others decode),
+    # spinning ONNX Runtime threads take the CPU from OpenVINO's: off under auto.
+    prompt: Any = engine.models.prompt
+    assert spinning(prompt) == "0" and prompt.runtime_properties["SPIN_WAIT"] == "off"
+    spin = Engine(config().model_copy(update={"engine": config().engine.model_copy(
+        update={"spin_wait": True})}))
+    assert spinning(spin.models.prompt) == "1"
+
+
 def test_a_one_token_answer_ends_at_the_prefill(engine: Engine) -> None:
     assert engine.blocks is not None
     held = engine.blocks.stats()["held"]

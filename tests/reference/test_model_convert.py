@@ -133,12 +133,16 @@ def test_export_onnx_and_serve_it(checkpoint: Path, tmp_path: Path, weights: str
         assert json.loads(verify.stdout)["token_agreement"] == 1.0, verify.stdout
 
 
+@pytest.mark.parametrize("ir_weights", ["int8", "int4"])
 def test_export_onnx_into_the_ir_directory_and_serve_the_split(checkpoint: Path,
-                                                                tmp_path: Path) -> None:
+                                                                tmp_path: Path,
+                                                                ir_weights: str) -> None:
     # The README's route to model.prompt_backend: convert, then export-onnx into the same
-    # directory; int8 graphs, so auto takes them.
-    dst = tmp_path / "tiny-int8"
-    assert qvlctl("model", "convert", str(checkpoint), str(dst)).returncode == 0
+    # directory; int8 graphs, so auto takes them. An int4 IR (its embedding table in 4
+    # bits too) is still recognised as the same checkpoint.
+    dst = tmp_path / f"tiny-{ir_weights}"
+    assert qvlctl("model", "convert", str(checkpoint), str(dst), "--weights",
+                  ir_weights).returncode == 0
     ir_files = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
     out = qvlctl("model", "export-onnx", str(checkpoint), str(dst), "--weights", "int8")
     assert out.returncode == 0, out.stderr
