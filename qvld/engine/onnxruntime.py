@@ -7,10 +7,11 @@ back as the next step's ``past_key_values.*`` inputs (I/O binding): the cache ne
 passes through numpy between steps.
 
 Sessions run with every graph optimisation (ORT_ENABLE_ALL), sequential execution,
-``engine.threads`` intra-op threads (the pinned cores, from tuning) and one inter-op
-thread. The CPU arena grows by what is requested rather than doubling, and the memory
-pattern planner is off: shapes change every call (prompt length, KV length), so a
-planned pattern never repeats.
+``engine.threads`` intra-op threads (the pinned cores, from tuning), one inter-op thread,
+and threads that spin between ops only where no other runtime shares the cores
+(``engine.spin_wait``). The CPU arena grows by what is requested rather than doubling,
+and the memory pattern planner is off: shapes change every call (prompt length, KV
+length), so a planned pattern never repeats.
 """
 
 from __future__ import annotations
