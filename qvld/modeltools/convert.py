@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from qvld.engine.model_dir import SUBMODELS
+from qvld.engine.model_dir import (
+    SUBMODELS,
+    ir_path,
+    load_model_spec,
+    onnx_path,
+    onnx_weights,
+)
 
 # Files the engine reads besides the IRs, copied from the checkpoint.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -277,8 +283,6 @@ def add_beside_ir(src: str, dst: Path, what: str,
             for path in moved:  # the directory as it was
                 path.unlink(missing_ok=True)
             raise
-    from qvld.engine.model_dir import onnx_path, onnx_weights
-
     auto = onnx_weights(onnx_path(dst, "language_model")) == "int8"
     _say(f"ok: {dst} serves with images and prompts on ONNX Runtime (sample answer: "
          f"{answer[:60]!r}); " + ("model.prompt_backend: auto uses them" if auto else
@@ -297,8 +301,6 @@ def checkpoint_mismatch(ir_dir: Path, onnx_dir: Path) -> str | None:
     import numpy as np
     import onnxruntime as ort
     import openvino as ov
-
-    from qvld.engine.model_dir import ir_path, load_model_spec, onnx_path
 
     dims = ("hidden_size", "num_layers", "num_kv_heads", "head_dim", "vocab_size")
     ir_spec = load_model_spec(ir_dir, "openvino")
