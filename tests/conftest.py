@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeVar
 
 import pytest
@@ -288,6 +289,44 @@ class HealthProbe:
         return (f"health p50 {self.quantile(0.5) * 1000:.1f} ms, p99 "
                 f"{self.quantile(0.99) * 1000:.1f} ms, worst {max(self.latencies) * 1000:.0f}"
                 f" ms ({len(self.latencies)} probes)")
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A number field of /proc/PID/status (kB for the memory ones)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+class Watch:
+    """The daemon's peak RSS above its RSS at the start, and `health` latencies, while
+    the block runs."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        assert daemon.proc is not None
+        self.pid = daemon.proc.pid
+        self.probe = HealthProbe(daemon)
+
+    def __enter__(self) -> Watch:
+        Path(f"/proc/{self.pid}/clear_refs").write_text("5")  # resets VmHWM to VmRSS
+        self.rss0 = proc_status(self.pid, "VmRSS")
+        self.probe.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.probe.stop()
+        self.peak_mib = (proc_status(self.pid, "VmHWM") - self.rss0) / 1024
+
+    @property
+    def worst_s(self) -> float:
+        return max(self.probe.latencies)
+
+    def report(self, name: str, answer: str) -> str:
+        line = f"{name}: {answer}; peak RSS +{self.peak_mib:.0f} MiB; {self.probe.summary()}"
+        print(line)
+        return line
 
 
 # A stdlib-only client run as another user: the other uid needs nothing of this

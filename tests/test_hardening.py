@@ -20,7 +20,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import msgpack
@@ -30,47 +29,19 @@ from PIL import Image
 from qvld import protocol
 from qvld.engine import image
 from qvld.errors import QvlError
-from tests.conftest import NOBODY, Daemon, HealthProbe, free_port, run_as, wait_for
+from tests.conftest import (
+    NOBODY,
+    Daemon,
+    HealthProbe,
+    Watch,
+    free_port,
+    proc_status,
+    run_as,
+    wait_for,
+)
 
 MiB = 1 << 20
 pytestmark = pytest.mark.slow
-
-
-def _status(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-class Watch:
-    """The daemon's peak RSS above its RSS at the start, and `health` latencies, while
-    the block runs."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        assert daemon.proc is not None
-        self.pid = daemon.proc.pid
-        self.probe = HealthProbe(daemon)
-
-    def __enter__(self) -> Watch:
-        Path(f"/proc/{self.pid}/clear_refs").write_text("5")  # resets VmHWM to VmRSS
-        self.rss0 = _status(self.pid, "VmRSS")
-        self.probe.start()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.probe.stop()
-        self.peak_mib = (_status(self.pid, "VmHWM") - self.rss0) / 1024
-
-    @property
-    def worst_s(self) -> float:
-        return max(self.probe.latencies)
-
-    def report(self, name: str, answer: str) -> str:
-        line = f"{name}: {answer}; peak RSS +{self.peak_mib:.0f} MiB; {self.probe.summary()}"
-        print(line)
-        return line
 
 
 def connect(path: Path, timeout: float = 30) -> socket.socket:
@@ -239,7 +210,7 @@ def test_metrics_listener_holds_no_thread_per_connection(target: tuple[Daemon, i
     daemon, port = target
     assert daemon.proc is not None
     url = f"http://127.0.0.1:{port}/metrics"
-    threads0 = _status(daemon.proc.pid, "Threads")
+    threads0 = proc_status(daemon.proc.pid, "Threads")
     with Watch(daemon) as watch:
         idle = []
         for _ in range(500):
@@ -250,7 +221,7 @@ def test_metrics_listener_holds_no_thread_per_connection(target: tuple[Daemon, i
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(url, timeout=10)
         assert refused.value.code == 503
-        threads = _status(daemon.proc.pid, "Threads")
+        threads = proc_status(daemon.proc.pid, "Threads")
         t0 = time.monotonic()
         answers = []
         for sock in idle:
