@@ -242,6 +242,30 @@ def test_hostile_schemas_are_bad_requests_within_the_timeout_and_the_daemon_serv
     check_answer("date", result["text"])
 
 
+def test_a_schema_that_compiles_but_overflows_the_parser_is_a_logged_once_400(
+        daemon: HttpDaemon) -> None:
+    """3 000 optional properties compile, but the first token passes llguidance's 2 000
+    items a row: a typed 400 naming why, logged once for the schema (no traceback),
+    and the next requests with it refused before they run."""
+    schema = {"type": "object",
+              "properties": {f"field{i}": {"type": "string"} for i in range(3000)}}
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                       "response_format": {"type": "json_schema", "json_schema": {
+                           "name": "wide", "schema": schema}}}).encode()
+    for attempt in range(10):
+        status, _, reply = daemon.request("POST", "/v1/chat/completions", body,
+                                          {"Content-Type": "application/json"})
+        assert status == 400, (attempt, reply)
+        assert reply["error"]["code"] == "bad_request"
+        assert "grammar engine" in reply["error"]["message"], reply
+    log = daemon.log()
+    assert log.count("the grammar engine gave up following it") == 1
+    assert "Traceback" not in log
+    result = generate(daemon, {"messages": messages(8), "max_tokens": 60,
+                               "response_format": WIRE["date"]}, stream=False)
+    check_answer("date", result["text"])
+
+
 def constrained(samples: Samples) -> dict[str, float]:
     return {dict(labels)["format"]: value for (name, labels), value in samples.items()
             if name == "qvld_constrained_requests_total"}

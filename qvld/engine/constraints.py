@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -29,11 +30,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 
 from qvld.errors import BadRequest
+
+log = logging.getLogger("qvld.engine")
 
 FormatType = Literal["json_schema", "json_object", "regex", "grammar"]
 FORMAT_TYPES: tuple[FormatType, ...] = ("json_schema", "json_object", "regex", "grammar")
@@ -292,6 +295,8 @@ class Constraint:
         t0 = time.perf_counter()
         bits = self._bitmask
         self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        if self._matcher.is_error():
+            self._gave_up()
         flat = logits.reshape(-1)  # a view: the sampler's logits are one row
         allowed = np.unpackbits(bits.view(np.uint8), count=flat.size,
                                 bitorder="little").view(bool)
@@ -302,9 +307,25 @@ class Constraint:
         """Feed the chosen token; True when the grammar is complete (the answer ends)."""
         assert self._matcher is not None
         if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token} that its mask allowed: "
-                               f"{self._matcher.get_error()}")
+            self._gave_up()
         return bool(self._matcher.is_stopped())
+
+    def _gave_up(self) -> NoReturn:
+        """The matcher stopped inside a grammar that compiled: its parser passed one of
+        llguidance's bounds (e.g. 2 000 items in a row: a schema of thousands of optional
+        properties). A client error, not ours; the compiled entry remembers it, so the
+        same content is refused before its next request runs, and it is logged once."""
+        assert self._matcher is not None
+        reason = _first_lines(self._matcher.get_error() or "no reason given", 1)
+        compiled = self._future.result()
+        first = compiled.matcher is not None
+        compiled.matcher, compiled.error = None, f"the grammar engine gave up: {reason}"
+        if first:
+            log.warning("response_format %s (sha256 %s): the grammar engine gave up "
+                        "following it; requests with it are refused from now on: %s",
+                        self.format.type, self.format.key[:16], reason)
+        raise BadRequest(f"response_format: the {self.format.type} is beyond what the "
+                         f"grammar engine can follow: {reason}")
 
 
 def _first_lines(text: str, lines: int = 4) -> str:
