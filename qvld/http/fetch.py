@@ -1,11 +1,18 @@
 """Fetch ``image_url`` URLs from the network without becoming an SSRF proxy.
 
 Only hosts the admin listed are fetched, and only when every address they resolve to is
-public (unless the host is also listed in ``allow_private``). The address check runs in
-the connector's resolver, so the addresses checked are the addresses connected to: a DNS
-answer that changes between a check and the connect (rebinding) cannot slip through.
-IP-literal hosts never reach a resolver in aiohttp, so they are checked before
-connecting. Redirects are followed by hand, only to the same host.
+public (unless the host is also listed in ``allow_private``). Addresses that embed an
+IPv4 address (mapped, translated, NAT64, 6to4) are judged by it; the rest of ``::/8``
+(IPv4-compatible ``::a.b.c.d`` among it) and local-use NAT64 are never public.
+
+What goes wrong fetching from a host in ``allow_private`` is not told to the client,
+only logged: "connection refused" against "timed out" against "HTTP 404" would let any
+user map which ports of those internal hosts answer. The client reads one message.
+
+The address check runs in the connector's resolver, so the addresses checked are the
+addresses connected to: a DNS answer that changes between a check and the connect
+(rebinding) cannot slip through. IP-literal hosts never reach a resolver in aiohttp,
+so they are checked before connecting. Redirects are followed by hand, only to the same host.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import ipaddress
 import logging
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeAlias
 from urllib.parse import urlsplit
 
@@ -40,6 +47,10 @@ REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 64 << 10
 # 6to4 and NAT64 addresses carry an IPv4 address that a gateway may deliver to.
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+# Reserved (IPv4-compatible ::a.b.c.d, unspecified, loopback...) and local-use NAT64
+# (RFC 8215): never the public internet; IPv4-mapped and -translated are judged above.
+_NEVER_PUBLIC = (ipaddress.IPv6Network("::/8"), ipaddress.IPv6Network("64:ff9b:1::/48"))
+_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")
 
 IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -116,10 +127,12 @@ def address_is_public(address: str | IPAddress) -> bool:
     if isinstance(ip, ipaddress.IPv6Address):
         # An address that embeds IPv4 is judged by the IPv4 address it reaches.
         embedded = ip.ipv4_mapped or ip.sixtofour
-        if embedded is None and ip in _NAT64:
+        if embedded is None and (ip in _NAT64 or ip in _TRANSLATED):
             embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
         if embedded is not None:
             return address_is_public(embedded)
+        if any(ip in network for network in _NEVER_PUBLIC):
+            return False
     return ip.is_global and not ip.is_multicast
 
 
@@ -280,11 +293,29 @@ class ImageFetcher:
                             f"({host!r} -> {other!r}); only same-host redirects are followed")
         return self._check_url(target)
 
-    async def fetch(self, url: str) -> bytes:
-        """The body of ``url``, unvalidated. Raises BadRequest, Forbidden, ImageTooLarge
-        or ImageInvalid (including timeouts: ``timeout_s`` bounds the whole fetch)."""
+    async def fetch(self, url: str,
+                    accept: Callable[[bytes], str | None] | None = None) -> bytes:
+        """The body of ``url``; ``accept`` may refuse it (it returns why). Raises
+        BadRequest, Forbidden, ImageTooLarge or ImageInvalid (including timeouts:
+        ``timeout_s`` bounds the whole fetch); for a host in ``allow_private``, every
+        failure after the URL was accepted is one ImageInvalid (see the module doc)."""
         current = self._check_url(url)
         host = (current.raw_host or "").rstrip(".")
+        try:
+            data = await self._fetch_mapped(current, host)
+            why = accept(data) if accept is not None else None
+            if why is not None:
+                raise ImageInvalid(f"the image at {host} {why}")
+            return data
+        except QvlError as exc:
+            if not host_matches(host, self._allow_private):
+                raise
+            log.info("image URL fetch from %s (in http.fetch_allow_private) failed: %s",
+                     host, exc.message)
+            raise ImageInvalid(f"could not fetch an image from image URL host {host!r} "
+                               "(why is logged, not shown: it is an internal host)") from None
+
+    async def _fetch_mapped(self, current: URL, host: str) -> bytes:
         try:
             return await asyncio.wait_for(self._fetch(current), self.timeout_s)
         except QvlError:

@@ -41,7 +41,6 @@ from qvld.errors import (
     BadRequest,
     Busy,
     Forbidden,
-    ImageInvalid,
     InternalError,
     QvlError,
     Unavailable,
@@ -436,11 +435,7 @@ class HttpFront:
             raise openai.bad("messages", "this server does not fetch image URLs "
                              "(http.fetch_image_urls is off); send images as data: URLs")
         for image in chat.remote_images:
-            data = await self.fetcher.fetch(image.url)
-            if openai.image_format(data) is None:
-                raise ImageInvalid(f"the image at {image.url.split('?')[0]} is not "
-                                          "PNG, JPEG, WebP or GIF")
-            image.part["image"] = data
+            image.part["image"] = await self.fetcher.fetch(image.url, _not_an_image)
 
     async def _generate(self, request: web.Request, chat: openai.ChatRequest, peer: Peer,
                         fields: dict[str, Any]) -> tuple[web.StreamResponse, str]:
@@ -593,6 +588,10 @@ class _TooLarge(QvlError):
 class _Stalled(QvlError):
     code = "bad_request"
     http_status = 408
+
+
+def _not_an_image(data: bytes) -> str | None:
+    return None if openai.image_format(data) is not None else "is not PNG, JPEG, WebP or GIF"
 
 
 async def _settle(ctx: RequestContext, task: asyncio.Future[Any],
