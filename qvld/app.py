@@ -441,13 +441,18 @@ class App:
                 log.error("%s", line)
             return EXIT_CONFIG
         self.http = HttpFront(self.config, self.state, handlers, self.metrics, keys,
-                              on_reply=self._on_http_reply)
+                              policy=self._access_policy, on_reply=self._on_http_reply)
         try:
             await self.http.start(socket.socket(fileno=fd) if fd is not None else None)
         except OSError as exc:
             log.error("cannot serve HTTP on %s: %s", self.config.http.listen, exc)
             return EXIT_FAILURE
         return None
+
+    def _access_policy(self) -> AccessPolicy:
+        """Who may use the daemon: one decision for the socket and keyless HTTP."""
+        assert self.server is not None
+        return self.server.policy
 
     def _on_http_reply(self, op: str, outcome: str, seconds: float, uid: int) -> None:
         self._record_error(op, outcome, uid)

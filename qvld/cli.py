@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keys-file", type=Path, metavar="FILE",
                         help="api-key: append the key's hash to this file "
                              "(http.api_keys_file)")
+    parser.add_argument("--replace", action="store_true",
+                        help="api-key: revoke NAME's key and issue a new one in one write")
+    parser.add_argument("--revoke", action="store_true",
+                        help="api-key: revoke NAME's key (kept in the file as a comment)")
     parser.add_argument("--version", action="version", version=f"qvld {__version__}")
     return parser
 
@@ -129,14 +133,23 @@ def preflight(config: Config, as_json: bool, textfile: Path | None) -> int:
     return EXIT_OK if document["ok"] else EXIT_FAILURE
 
 
-def api_key(name: str, keys_file: Path | None) -> int:
-    """Print a new key; record its hash in ``keys_file``, or say what line to add."""
+def api_key(name: str, keys_file: Path | None, replace: bool = False,
+            revoke: bool = False) -> int:
+    """Print a new key and record its hash in ``keys_file`` (or say what line to add);
+    ``replace``: the name's old key is revoked in the same write; ``revoke``: only that.
+
+    A key is a user of its own: a new key under a name (replaced, or revoked earlier)
+    inherits nothing of the old key's sessions or caches, and this says so."""
+    import datetime
+
     from qvld.http.keys import (
         ApiKeys,
         KeyFileError,
         append_line,
         hash_key,
         new_key,
+        revoke_line,
+        revoked_names,
         valid_name,
     )
 
@@ -144,20 +157,37 @@ def api_key(name: str, keys_file: Path | None) -> int:
         print(f"qvld: api-key: user name {name!r} is not 1-64 characters of [A-Za-z0-9._@-]",
               file=sys.stderr)
         return EXIT_USAGE
+    if (replace or revoke) and keys_file is None:
+        print("qvld: api-key: --replace and --revoke need --keys-file", file=sys.stderr)
+        return EXIT_USAGE
     key = new_key()
     line = f"{name}:{hash_key(key)}"
     if keys_file is None:
         print(key)
         print(f"add to http.api_keys_file: {line}", file=sys.stderr)
         return EXIT_OK
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     try:
         exists = keys_file.exists()
-        # Validate the whole file first: appending to a broken one would hide the breakage.
-        if exists and name in ApiKeys.load(keys_file).names:
-            print(f"qvld: api-key: {name} already has a key in {keys_file}; remove "
-                  "that line first to replace it", file=sys.stderr)
+        # Validate the whole file first: changing a broken one would hide the breakage.
+        has_key = exists and name in ApiKeys.load(keys_file).names
+        earlier = revoked_names(keys_file).get(name) if exists else None
+        if (replace or revoke) and not has_key:
+            print(f"qvld: api-key: {name} has no key in {keys_file}", file=sys.stderr)
             return EXIT_USAGE
-        append_line(keys_file, line, exists)
+        if has_key and not (replace or revoke):
+            print(f"qvld: api-key: {name} already has a key in {keys_file}; --replace "
+                  "issues a new one (the old one stops working at the next reload, and "
+                  "its sessions end)", file=sys.stderr)
+            return EXIT_USAGE
+        if has_key:
+            revoke_line(keys_file, name, now + (" (replaced)" if replace else ""))
+        if revoke:
+            print(f"revoked {name}'s key in {keys_file}; reload the daemon (systemctl "
+                  "reload qvld): the key stops working and its sessions end",
+                  file=sys.stderr)
+            return EXIT_OK
+        append_line(keys_file, line, keys_file.exists())
     except KeyFileError as exc:
         for error in exc.errors:
             print(f"qvld: api-key: {error}", file=sys.stderr)
@@ -167,6 +197,10 @@ def api_key(name: str, keys_file: Path | None) -> int:
         return EXIT_FAILURE
     # The key goes out only once its hash is safely on disk.
     print(key)
+    if has_key or earlier is not None:
+        when = "replaced now" if has_key else f"revoked {earlier}"
+        print(f"{name} had a key before ({when}): the new key is a new user, with none "
+              "of the old key's sessions or caches", file=sys.stderr)
     print(f"added {name} to {keys_file}; reload the daemon: systemctl reload qvld",
           file=sys.stderr)
     return EXIT_OK
@@ -180,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before the config: issuing a key needs neither a config nor a model.
         if args.name is None:
             parser.error("api-key needs a user NAME")
-        return api_key(args.name, args.keys_file)
+        return api_key(args.name, args.keys_file, args.replace, args.revoke)
     if args.name is not None:
         parser.error(f"unrecognized arguments: {args.name}")
     try:

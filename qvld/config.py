@@ -297,11 +297,17 @@ class HttpConfig(_Section):
     """The OpenAI-compatible HTTP listener (qvld.http); off unless listen is set or
     systemd passes a socket named "http" (qvld-http.socket)."""
 
-    listen: str | None = None  # HOST:PORT, e.g. 127.0.0.1:8090; none/empty: off
-    # "NAME:sha256:HEX" lines (qvld api-key NAME); none: loopback clients only, one
-    # user named "local".
+    # HOST:PORT (e.g. 127.0.0.1:8090) or unix:/ABSOLUTE/PATH (mode server.socket_mode);
+    # none/empty: off.
+    listen: str | None = None
+    # "NAME:sha256:HEX" lines (qvld api-key NAME); none: local callers only, each the
+    # user the kernel says it is (loopback TCP or the Unix socket), allowed as on the
+    # protocol socket. Must be writable by root or the daemon's user only.
     api_keys_file: Path | None = None
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=FRAME_MAX)
+    # Bytes of request bodies being received, all connections together; one user may
+    # hold at most max_body_bytes of it. Past either: 503 / 429 at once.
+    max_pending_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     max_connections: int = Field(256, ge=1)
     # A request head or body must arrive within this, and a connection with no request
     # for this long is closed (a slowloris client holds a connection at most this long).
@@ -323,7 +329,23 @@ class HttpConfig(_Section):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
+        if value and value.startswith("unix:"):
+            path = value[len("unix:"):]
+            if not path.startswith("/"):
+                raise ValueError(f"{value!r}: write unix:/ABSOLUTE/PATH")
+            _no_nul(Path(path))
+            if len(os.fsencode(path)) > SUN_PATH_MAX:
+                raise ValueError(f"a Unix socket path is at most {SUN_PATH_MAX} bytes")
+            return value
         return _listen_address(value)
+
+    @model_validator(mode="after")
+    def _pending_holds_a_body(self) -> HttpConfig:
+        if self.max_pending_bytes < self.max_body_bytes:
+            raise ValueError(f"http.max_pending_bytes ({self.max_pending_bytes}) is below "
+                             f"http.max_body_bytes ({self.max_body_bytes}): no body of the "
+                             "largest size could ever be received")
+        return self
 
     @field_validator("api_keys_file")
     @classmethod

@@ -44,6 +44,35 @@ class SocketInUse(RuntimeError):
     """Another live daemon answers on the socket path."""
 
 
+def bind_unix(path: Path, mode: int) -> socket.socket:
+    """A listening Unix socket at ``path`` with ``mode``, never wider for a moment;
+    a stale socket file there is replaced, a live one (another daemon) is not."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise SocketInUse(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("removing stale socket %s", path)
+            path.unlink(missing_ok=True)
+        else:
+            raise SocketInUse(f"another daemon is listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old_umask = os.umask(0o177)  # no window in which the socket is wider than asked
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, mode)
+    sock.listen(socket.SOMAXCONN)  # bursts queue here; max_connections is enforced on accept
+    return sock
+
+
 @dataclass(frozen=True)
 class Peer:
     pid: int
@@ -241,31 +270,8 @@ class Server:
 
     def bind(self) -> socket.socket:
         """Create the listening socket at config.socket; replace a stale one only."""
-        path = self.config.socket
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if os.path.lexists(path):
-            if not stat.S_ISSOCK(path.lstat().st_mode):
-                raise SocketInUse(f"{path} exists and is not a socket")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            probe.settimeout(1.0)
-            try:
-                probe.connect(str(path))
-            except (ConnectionRefusedError, FileNotFoundError):
-                log.info("removing stale socket %s", path)
-                path.unlink(missing_ok=True)
-            else:
-                raise SocketInUse(f"another daemon is listening on {path}")
-            finally:
-                probe.close()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old_umask = os.umask(0o177)  # no window in which the socket is wider than asked
-        try:
-            sock.bind(str(path))
-        finally:
-            os.umask(old_umask)
-        os.chmod(path, self.config.socket_mode_bits)
-        sock.listen(socket.SOMAXCONN)  # bursts queue here; max_connections is enforced on accept
-        self._owned_path = path
+        sock = bind_unix(self.config.socket, self.config.socket_mode_bits)
+        self._owned_path = self.config.socket
         return sock
 
     async def start(self, sock: socket.socket | None = None) -> None:

@@ -63,8 +63,37 @@ def test_a_name_with_a_key_is_refused(tmp_path: Path,
     code, out, err = issue(capsys, "alice", "--keys-file", str(path))
     assert code == 2
     assert out == ""  # no key that would not work
-    assert "alice already has a key" in err
+    assert "alice already has a key" in err and "--replace" in err
     assert path.read_bytes() == before
+
+
+def test_replace_revokes_the_old_key_and_says_the_new_one_is_a_new_user(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "api_keys"
+    code, old, _ = issue(capsys, "alice", "--keys-file", str(path))
+    assert issue(capsys, "bob", "--keys-file", str(path))[0] == 0
+    code, new, err = issue(capsys, "alice", "--replace", "--keys-file", str(path))
+    assert code == 0, err
+    keys = ApiKeys.load(path)
+    assert keys.user(new.strip()) == "alice" and keys.user(old.strip()) is None
+    assert len(keys) == 2
+    assert "a new user" in err and "replaced now" in err
+    assert re.search(r"^# revoked: alice \S+Z \(replaced\)$", path.read_text(), re.M)
+
+
+def test_revoke_keeps_the_name_on_record(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "api_keys"
+    _, old, _ = issue(capsys, "alice", "--keys-file", str(path))
+    code, out, err = issue(capsys, "alice", "--revoke", "--keys-file", str(path))
+    assert (code, out) == (0, "")  # no key printed
+    assert "sessions end" in err
+    assert ApiKeys.load(path).user(old.strip()) is None
+    assert issue(capsys, "alice", "--revoke", "--keys-file", str(path))[0] == 2
+    # Issued again later: allowed, and told that nothing of the old key comes along.
+    code, new, err = issue(capsys, "alice", "--keys-file", str(path))
+    assert code == 0 and ApiKeys.load(path).user(new.strip()) == "alice"
+    assert "had a key before (revoked 2" in err and "a new user" in err
 
 
 def test_an_invalid_name_is_refused(tmp_path: Path,

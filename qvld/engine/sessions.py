@@ -273,6 +273,16 @@ class SessionStore:
                 self._unbury(uid, sid)
             return True
 
+    def close_user(self, uid: int) -> int:
+        """End every session of ``uid`` (a revoked API key's); how many there were. A
+        turn running now still finishes (its user can never ask again)."""
+        with self._lock:
+            ended = [s for s in self._sessions.values() if s.uid == uid]
+            for session in ended:
+                self._remove(session, bury=False)
+            self._tombstones.pop(uid, None)
+            return len(ended)
+
     def inherit(self, old: SessionStore) -> None:
         """Take over from the store of the engine a reload replaced. Its sessions cannot
         follow (their histories and KV caches belong to the old model), so each becomes

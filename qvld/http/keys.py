@@ -115,6 +115,40 @@ def _parse_line(line: str, where: str) -> tuple[str | None, str | None, list[str
     return (name if valid_name(name) else None), key_hash, errors
 
 
+def _trusted_owner(uid: int) -> bool:
+    return uid in (0, os.geteuid())
+
+
+def writable_by_others(path: Path, info: os.stat_result) -> str | None:
+    """Why someone besides root and the daemon's own user could change the keys file
+    (and so give themselves a key), or None. As sshd's StrictModes: the file is owned by
+    one of them and writable by no group or other user, and so is every directory above
+    it, unless the directory is sticky (/tmp: others cannot replace what is not theirs).
+    Both the path as given and the file it resolves to are checked."""
+    if not _trusted_owner(info.st_uid):
+        return (f"{path} is writable by other users: it is owned by uid {info.st_uid} "
+                f"(only root or the daemon's user, uid {os.geteuid()}, may own it)")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"{path} is writable by other users (mode "
+                f"{stat.S_IMODE(info.st_mode):04o}); chmod go-w {path}")
+    absolute = Path(os.path.abspath(path))
+    directories = {*absolute.parents, *Path(os.path.realpath(path)).parents}
+    for directory in sorted(directories, key=lambda d: len(d.parts)):
+        try:
+            dinfo = directory.stat()
+        except OSError:
+            continue  # the file was opened through it: nothing to say about it here
+        if not _trusted_owner(dinfo.st_uid):
+            return (f"{path} is writable by other users: its directory {directory} is "
+                    f"owned by uid {dinfo.st_uid}, who can replace the file")
+        if dinfo.st_mode & (stat.S_IWGRP | stat.S_IWOTH) \
+                and not dinfo.st_mode & stat.S_ISVTX:
+            return (f"{path} is writable by other users: its directory {directory} "
+                    f"(mode {stat.S_IMODE(dinfo.st_mode):04o}) lets others replace it; "
+                    f"chmod go-w {directory}")
+    return None
+
+
 @dataclass(frozen=True)
 class ApiKeys:
     """The keys of one reading of the keys file."""
@@ -127,15 +161,18 @@ class ApiKeys:
         """Read and validate ``path``; KeyFileError lists every problem at once."""
         try:
             with open(path, "rb") as file:
-                mode = os.fstat(file.fileno()).st_mode
+                info = os.fstat(file.fileno())
                 data = file.read()
         except OSError as exc:
             raise KeyFileError([f"{path}: {exc.strerror or exc}"]) from exc
-        if mode & stat.S_IROTH:
+        unsafe = writable_by_others(path, info)
+        if unsafe is not None:
+            raise KeyFileError([unsafe])
+        if info.st_mode & stat.S_IROTH:
             # Hashes of random keys do not give keys away, but who has a key is still
             # nobody else's business; warn rather than refuse to start.
             log.warning("%s is readable by every user (mode %04o); chmod o-r it",
-                        path, stat.S_IMODE(mode))
+                        path, stat.S_IMODE(info.st_mode))
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -193,23 +230,30 @@ class ApiKeys:
 
 
 class UserIds:
-    """Stable numeric ids for HTTP user names within one daemon process (the scheduler,
-    sessions and caches key users by int). Append-only, so a key-file reload keeps every
-    user's sessions; ids start at HTTP_USER_ID_BASE."""
+    """Stable numeric ids for HTTP users within one daemon process (the scheduler,
+    sessions and caches key users by int). A user is a name with one key: a new key
+    under a name (a revoked one issued again, a rotation) is a new user, with nothing of
+    the old key's sessions or caches. Append-only, so a reload keeps every user's
+    sessions; ids start at HTTP_USER_ID_BASE."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
+        self._ids: dict[tuple[str, str], int] = {}
         self._names: list[str] = []
         self._lock = threading.Lock()  # ids must stay distinct if threads ask at once
 
-    def id(self, name: str) -> int:
+    def id(self, name: str, key_hash: str = "") -> int:
         with self._lock:
-            user_id = self._ids.get(name)
+            user_id = self._ids.get((name, key_hash))
             if user_id is None:
                 user_id = HTTP_USER_ID_BASE + len(self._names)
-                self._ids[name] = user_id
+                self._ids[(name, key_hash)] = user_id
                 self._names.append(name)
             return user_id
+
+    def known(self, name: str, key_hash: str) -> int | None:
+        """The id of that name and key if it has asked anything, else None."""
+        with self._lock:
+            return self._ids.get((name, key_hash))
 
     def name(self, user_id: int) -> str | None:
         index = user_id - HTTP_USER_ID_BASE
@@ -221,17 +265,49 @@ class UserIds:
         return user_id >= HTTP_USER_ID_BASE
 
 
+REVOKED = "# revoked: "
+
+
+def revoked_names(path: Path) -> dict[str, str]:
+    """Names whose keys were revoked by ``qvld api-key --revoke/--replace``: name ->
+    the rest of the record (when, and why)."""
+    names = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith(REVOKED):
+            name, _, rest = line[len(REVOKED):].partition(" ")
+            names[name] = rest
+    return names
+
+
+def revoke_line(path: Path, name: str, record: str) -> bool:
+    """Turn ``name``'s key line into a ``# revoked: NAME RECORD`` comment (the name's
+    history stays in the file: a later key for it is told it is a new user); False if
+    the name has no key line."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines):
+        if line.strip().partition(":")[0] == name and not line.lstrip().startswith("#"):
+            lines[number] = f"{REVOKED}{name} {record}"
+            _write(path, ("\n".join(lines) + "\n").encode(), exists=True)
+            return True
+    return False
+
+
 def append_line(path: Path, line: str, exists: bool) -> None:
-    """Append ``line`` atomically: the daemon may re-read the file at any moment, and a
-    crash must leave either the old file or the new one, never a torn one."""
+    """Append ``line`` (see _write)."""
+    text = path.read_bytes() if exists else b""
+    if text and not text.endswith(b"\n"):
+        text += b"\n"
+    _write(path, text + line.encode() + b"\n", exists)
+
+
+def _write(path: Path, content: bytes, exists: bool) -> None:
+    """Replace the file atomically: the daemon may re-read it at any moment, and a crash
+    must leave either the old file or the new one, never a torn one."""
     if exists:
-        text = path.read_bytes()
         info = path.stat()
         mode, owner = info.st_mode & 0o7777, (info.st_uid, info.st_gid)
     else:
-        text, mode, owner = b"", 0o640, None  # the daemon's group may read it; others not
-    if text and not text.endswith(b"\n"):
-        text += b"\n"
+        mode, owner = 0o640, None  # the daemon's group may read it; others not
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as file:
@@ -241,7 +317,7 @@ def append_line(path: Path, line: str, exists: bool) -> None:
             if owner is not None and owner != (made.st_uid, made.st_gid):
                 os.fchown(file.fileno(), *owner)
             os.fchmod(file.fileno(), mode)  # mkstemp makes 0600, and umask must not apply
-            file.write(text + line.encode() + b"\n")
+            file.write(content)
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)

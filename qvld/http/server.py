@@ -5,31 +5,42 @@ body becomes protocol v1 ``generate`` params (``qvld.http.openai``), runs throug
 same prepare stage, scheduler, caches and metrics, and its result or token events come
 back as a ``chat.completion`` or as Server-Sent Events.
 
-Identity: a bearer key from ``http.api_keys_file`` names a user; without a keys file
-only loopback clients are served, all as the user ``local``. HTTP users get ids above
-every uid (``keys.HTTP_USER_ID_BASE``), so a key never stands for root or for a socket
-user, and the scheduler, sessions and caches treat each as a user of its own.
+Identity (``Caller``): with ``http.api_keys_file``, a bearer key names the user; HTTP
+users get ids above every uid (``keys.HTTP_USER_ID_BASE``), so a key never stands for
+root or for a socket user. Without a keys file a caller is who the kernel says
+(``qvld.http.identity``): the uid owning the client's end of a loopback TCP connection,
+or SO_PEERCRED on an HTTP Unix socket, authorised exactly as on the protocol socket
+(``server.allow_uids``, ``allow_groups``) and served as that uid: its own sessions,
+caches and share of the queue. An ``Authorization`` header is then ignored. Callers
+from other hosts need a key.
 
 What a client can make the daemon hold is bounded as on the socket: connections
-(``http.max_connections``; more are answered 503 at once), a request head or body
+(``http.max_connections``; more are answered 429 at once), a request head or body
 must arrive within ``http.read_timeout_s`` (aiohttp's keep-alive timer is armed when a
-connection opens, so a client that never finishes a head is closed then), the body's
-size (``http.max_body_bytes``, 413), and token events a streaming client leaves unread
-(``http.max_unsent_events``: past it the stream is cut and the generation cancelled).
-A client that disconnects cancels its generation (aiohttp cancels the handler).
+connection opens, so a client that never finishes a head is closed then), the bytes of
+bodies being received (``qvld.http.body``: 413 past ``http.max_body_bytes``, 503/429
+past ``http.max_pending_bytes`` or a user's share; a refused body is read and dropped
+for up to ``http.read_timeout_s`` so that the client reads the answer), what a body
+decodes to (walked before decoding, off the event loop), and token events a streaming
+client leaves unread (``http.max_unsent_events``: past it the stream is cut and the
+generation cancelled). A client that disconnects cancels its generation (aiohttp
+cancels the handler).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import itertools
 import json
 import logging
 import socket
 import time
+import weakref
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -38,7 +49,6 @@ from prometheus_client.exposition import choose_encoder
 from qvld import protocol
 from qvld.config import Config, HttpConfig
 from qvld.errors import (
-    BadRequest,
     Busy,
     Forbidden,
     InternalError,
@@ -47,19 +57,31 @@ from qvld.errors import (
 )
 from qvld.handlers import DaemonState
 from qvld.http import openai
+from qvld.http.body import BodyReader
 from qvld.http.fetch import ImageFetcher, normalize_host_pattern
-from qvld.http.keys import ApiKeys, KeyFileError, UserIds, parse_bearer
+from qvld.http.identity import is_loopback, tcp_peer_uid, user_groups
+from qvld.http.keys import ApiKeys, KeyFileError, UserIds, hash_key, parse_bearer
 from qvld.logfields import log_request
 from qvld.metrics import Metrics
-from qvld.server import Peer, RequestContext
+from qvld.server import AccessPolicy, Peer, RequestContext, bind_unix
 
 log = logging.getLogger("qvld.http")
 
-LOCAL_USER = "local"
 SESSION_HEADER = "X-Qvld-Session"
 JSON = "application/json"
 # on_reply(op, outcome, seconds, user id): the app's accounting, shared with the socket.
 OnReply = Callable[[str, str, float, int], None]
+UNIX_PREFIX = "unix:"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who an HTTP request comes from: the peer the handlers, scheduler, sessions and
+    caches key on, and how logs name it (``user=NAME`` for a key, ``uid=N``)."""
+
+    peer: Peer
+    log_name: str
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 class Unauthorized(QvlError):
@@ -95,18 +117,6 @@ def load_http(config: HttpConfig) -> ApiKeys | None:
     if errors:
         raise HttpSetupError(errors)
     return keys
-
-
-def _is_loopback(peername: Any) -> bool:
-    if not peername:  # a Unix socket passed by systemd: its file mode decides who connects
-        return True
-    try:
-        address = ipaddress.ip_address(str(peername[0]).split("%")[0])
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
 
 
 _END: dict[str, Any] = {}  # closes an exchange's queue of events
@@ -150,8 +160,12 @@ def _refuse(conn: socket.socket) -> None:
     conn.close()
 
 
-def _listener(listen: str) -> socket.socket:
-    """The listening socket for http.listen (HOST:PORT, [IPv6]:PORT, :PORT)."""
+def _listener(listen: str, mode: int) -> tuple[socket.socket, Path | None]:
+    """The listening socket for http.listen (HOST:PORT, [IPv6]:PORT, :PORT, or
+    unix:PATH with ``mode``), and the socket file made for it (removed at close)."""
+    if listen.startswith(UNIX_PREFIX):
+        path = Path(listen[len(UNIX_PREFIX):])
+        return bind_unix(path, mode), path
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
     family, _, _, _, address = socket.getaddrinfo(
@@ -164,7 +178,23 @@ def _listener(listen: str) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    return sock
+    return sock, None
+
+
+def _kernel_peer(sock: Any) -> Peer | str | None:
+    """Who the kernel says is on the other end of an accepted connection (blocking:
+    run off the event loop): a Peer, None when no open socket of this machine is that
+    end, or the text "remote" for a TCP client on another address than loopback."""
+    if sock.family == socket.AF_UNIX:
+        return Peer.of(sock)
+    peer, local = sock.getpeername(), sock.getsockname()
+    if not is_loopback(peer):
+        return "remote"
+    uid = tcp_peer_uid(peer, local)
+    if uid is None:
+        return None
+    gid, groups = user_groups(uid)
+    return Peer(pid=0, uid=uid, gid=gid, groups=groups)
 
 
 class _WireLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -179,20 +209,33 @@ class _WireLog(logging.LoggerAdapter):  # type: ignore[type-arg]
 class HttpFront:
     def __init__(self, config: Config, state: DaemonState,
                  dispatch: Callable[[RequestContext], Awaitable[Any]], metrics: Metrics,
-                 keys: ApiKeys | None, on_reply: OnReply | None = None) -> None:
+                 keys: ApiKeys | None, policy: Callable[[], AccessPolicy],
+                 on_reply: OnReply | None = None) -> None:
         self.config = config.http
         self.send_buffer_bytes = config.server.send_buffer_bytes
+        self.socket_mode = config.server.socket_mode_bits
         self.serve_metrics = not config.metrics.listen
         self.state = state
         self.dispatch = dispatch
         self.metrics = metrics
         self.keys = keys
         self.on_reply = on_reply
+        # The socket's access decision, as it stands after the last reload.
+        self.policy = policy
         self.users = UserIds()
         self.fetcher = self._fetcher(config.http)
+        # Identity lookups (the user database may be slow) and large bodies' decoding:
+        # never on the event loop, and never more of them at once than this.
+        self._executor = ThreadPoolExecutor(4, thread_name_prefix="qvld-http")
+        self.bodies = BodyReader(self.config.max_body_bytes, self.config.max_pending_bytes,
+                                 self.config.read_timeout_s, self._executor)
+        # Each connection's caller, found once (the kernel's answer holds for its life).
+        self._peers: weakref.WeakKeyDictionary[Any, Peer | str | None] = \
+            weakref.WeakKeyDictionary()
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
         self._listener: socket.socket | None = None
+        self._owned_path: Path | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
         self._ops: dict[Callable[[web.Request], Awaitable[web.StreamResponse]], str] = {}
@@ -205,14 +248,34 @@ class HttpFront:
                             config.fetch_max_bytes, config.fetch_timeout_s)
 
     def reconfigure(self, config: Config, keys: ApiKeys | None) -> None:
-        """A reload: new limits, keys and fetch policy; the listener itself stays."""
-        old_fetcher = self.fetcher
+        """A reload: new limits, keys and fetch policy; the listener itself stays. A key
+        no longer in the file ends its user's sessions."""
+        old_fetcher, old_keys = self.fetcher, self.keys
         self.config = config.http
         self.send_buffer_bytes = config.server.send_buffer_bytes
         self.keys = keys
+        self.bodies.reconfigure(config.http.max_body_bytes, config.http.max_pending_bytes,
+                                config.http.read_timeout_s)
         self.fetcher = self._fetcher(config.http)
         if old_fetcher is not None:
             self._spawn(old_fetcher.close())
+        if old_keys is not None:
+            kept = dict(keys.users_by_hash) if keys is not None else {}
+            self._end_revoked({h: n for h, n in old_keys.users_by_hash.items()
+                               if kept.get(h) != n})
+
+    def _end_revoked(self, revoked: dict[str, str]) -> None:
+        """Close the sessions of keys (hash -> name) taken out of the keys file."""
+        if not revoked:
+            return
+        engine = self.state.engine
+        ended = 0
+        for key_hash, name in revoked.items():
+            uid = self.users.known(name, key_hash)
+            if uid is not None and engine is not None:
+                ended += engine.sessions.close_user(uid)
+        log.info("API keys revoked: %s (sessions ended: %d)",
+                 ", ".join(sorted(revoked.values())), ended)
 
     # -- listening ------------------------------------------------------------------
 
@@ -231,17 +294,21 @@ class HttpFront:
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
             keepalive_timeout=self.config.read_timeout_s, max_field_size=8190,
-            max_headers=64, lingering_time=0, logger=_WireLog(log, {}))
+            # A refused body's rest is read and dropped for up to this long, so that a
+            # client still sending reads the refusal instead of a reset.
+            max_headers=64, lingering_time=self.config.read_timeout_s,
+            logger=_WireLog(log, {}))
         await self._runner.setup()
         if sock is None:
             assert self.config.listen is not None
-            sock = _listener(self.config.listen)
+            sock, self._owned_path = _listener(self.config.listen, self.socket_mode)
         sock.setblocking(False)
         self._listener = sock
         self._accepting = asyncio.create_task(self._accept(sock))
         if self.keys is None:
-            log.warning("HTTP API on %s: no http.api_keys_file, so only loopback clients "
-                        "are served, all as the user %r", self.address, LOCAL_USER)
+            log.info("HTTP API on %s: no http.api_keys_file, so callers are the local "
+                     "users the kernel says they are, allowed as on the socket",
+                     self.address)
         else:
             log.info("HTTP API on %s (%d API keys)", self.address, len(self.keys))
 
@@ -290,6 +357,9 @@ class HttpFront:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._owned_path is not None:
+            self._owned_path.unlink(missing_ok=True)
+            self._owned_path = None
 
     async def close(self) -> None:
         await self.stop_accepting()
@@ -301,6 +371,7 @@ class HttpFront:
             await self.fetcher.close()
         if self._pending:
             await asyncio.wait(self._pending, timeout=5)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _spawn(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)
@@ -334,8 +405,10 @@ class HttpFront:
         except QvlError as exc:
             outcome = exc.code
             response = _error_response(*openai.error_body(exc))
-            if isinstance(exc, (_TooLarge, _Stalled)):
-                response.force_close()  # the rest of the body is not read
+            if not request.content.is_eof():
+                # Refused before its body was read whole: aiohttp reads the rest and
+                # drops it (lingering), then closes instead of reading another request.
+                response.force_close()
             return response
         except asyncio.CancelledError:
             outcome = "cancelled"  # the client left
@@ -347,74 +420,76 @@ class HttpFront:
             return _error_response(*openai.error_body(InternalError(
                 f"internal error (logged as HTTP request {rid})")))
         finally:
-            self._account(request, op, outcome, t0, request.get("user"), request["fields"])
+            self._account(request, op, outcome, t0, request.get("caller"),
+                          request["fields"])
 
-    def _user(self, request: web.Request) -> str:
-        """Who is asking: the key's user, or ``local`` on a listener without keys."""
-        if self.keys is None:
-            if not _is_loopback(request.transport and
-                                request.transport.get_extra_info("peername")):
-                raise Forbidden("this listener serves loopback clients only (no "
-                                "http.api_keys_file is configured)")
-            request["user"] = LOCAL_USER
-            return LOCAL_USER
-        key = parse_bearer(request.headers.get("Authorization"))
-        if key is None:
-            raise Unauthorized("an API key is needed: Authorization: Bearer <key>")
-        user = self.keys.user(key)
-        if user is None:
-            raise Unauthorized("the API key is not valid")
-        request["user"] = user
-        return user
+    async def _caller(self, request: web.Request) -> Caller:
+        """Who is asking (see the module docstring), or 401/403."""
+        if self.keys is not None:
+            key = parse_bearer(request.headers.get("Authorization"))
+            if key is None:
+                raise Unauthorized("an API key is needed: Authorization: Bearer <key>")
+            name = self.keys.user(key)
+            if name is None:
+                raise Unauthorized("the API key is not valid")
+            uid = self.users.id(name, hash_key(key))
+            caller = Caller(Peer(pid=0, uid=uid, gid=uid, groups=frozenset()),
+                            f"user={name}", {"user": name})
+        else:
+            peer = await self._kernel_peer(request)
+            if peer == "remote":
+                raise Forbidden("this listener serves local users only: callers from "
+                                "other hosts need an API key (http.api_keys_file)")
+            if not isinstance(peer, Peer):
+                raise Forbidden("the kernel shows no open socket of this machine at the "
+                                "other end of this connection; cannot tell who is asking")
+            caller = Caller(peer, f"uid={peer.uid}", {"uid": peer.uid})
+            if not self.policy().allowed(peer):
+                request["caller"] = caller
+                log.warning("HTTP: refused uid %d: not allowed", peer.uid)
+                raise Forbidden(f"uid {peer.uid} may not use this daemon; ask for "
+                                "membership of one of server.allow_groups")
+        request["caller"] = caller
+        return caller
 
-    def _peer(self, user: str) -> Peer:
-        uid = self.users.id(user)
-        return Peer(pid=0, uid=uid, gid=uid, groups=frozenset())
+    async def _kernel_peer(self, request: web.Request) -> Peer | str | None:
+        transport = request.transport
+        if transport is None:
+            return None
+        try:
+            return self._peers[transport]
+        except KeyError:
+            pass
+        sock = transport.get_extra_info("socket")
+        loop = asyncio.get_running_loop()
+        try:
+            peer = await loop.run_in_executor(self._executor, _kernel_peer, sock)
+        except OSError as exc:  # the connection is already gone
+            log.info("HTTP: cannot identify a caller: %s", exc)
+            peer = None
+        self._peers[transport] = peer
+        return peer
 
     def _account(self, request: web.Request, op: str, outcome: str, t0: float,
-                 user: str | None, fields: dict[str, Any] | None = None) -> None:
+                 caller: Caller | None, fields: dict[str, Any] | None = None) -> None:
         seconds = time.monotonic() - t0
         self.metrics.observe_request(op, outcome, seconds, api="http")
         if op == "health":
             return  # probes every few seconds would drown the journal and last errors
-        uid = self.users.id(user) if user is not None else -1
         if self.on_reply is not None:
-            self.on_reply(op, outcome, seconds, uid)
+            self.on_reply(op, outcome, seconds, caller.peer.uid if caller else -1)
         path = request.path if op != "unknown" else "-"
-        log_request("http %s %s user=%s op=%s outcome=%s time=%.3fs", (
-            request.method, path, user or "-", op, outcome, seconds), {
-            "api": "http", "method": request.method, "path": path, "user": user,
+        who = caller.log_name if caller is not None else "user=-"
+        log_request("http %s %s %s op=%s outcome=%s time=%.3fs", (
+            request.method, path, who, op, outcome, seconds), {
+            "api": "http", "method": request.method, "path": path,
+            **(caller.fields if caller is not None else {"user": None}),
             "op": op, "outcome": outcome, "time_s": round(seconds, 6), **(fields or {})},
             logger=log)
 
-    async def _read_json(self, request: web.Request) -> Any:
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise _TooLarge(f"the request body is {request.content_length} bytes; at most "
-                            f"{limit} (http.max_body_bytes)")
-        body = bytearray()
-        deadline = time.monotonic() + self.config.read_timeout_s
-        while True:
-            try:
-                chunk = await asyncio.wait_for(request.content.readany(),
-                                               max(deadline - time.monotonic(), 0))
-            except asyncio.TimeoutError:
-                raise _Stalled(f"the request body did not arrive within "
-                               f"{self.config.read_timeout_s:g} s") from None
-            if not chunk:
-                break
-            body += chunk
-            if len(body) > limit:
-                raise _TooLarge(f"the request body is over {limit} bytes "
-                                "(http.max_body_bytes)")
-        try:
-            return json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        user = self._user(request)
-        body = await self._read_json(request)
+        caller = await self._caller(request)
+        body = await self.bodies.read_json(request, caller.peer.uid)
         session = request.headers.get(SESSION_HEADER)
         if session is not None and not protocol.SESSION_ID.fullmatch(session):
             raise openai.bad(SESSION_HEADER, f"{SESSION_HEADER} must be 1-128 "
@@ -424,8 +499,8 @@ class HttpFront:
         if chat.user is not None:
             fields["end_user"] = json.dumps(chat.user)
         await self._fetch_images(chat)
-        response, request["outcome"] = await self._generate(request, chat,
-                                                            self._peer(user), fields)
+        response, request["outcome"] = await self._generate(request, chat, caller.peer,
+                                                            fields)
         return response
 
     async def _fetch_images(self, chat: openai.ChatRequest) -> None:
@@ -545,7 +620,7 @@ class HttpFront:
         return engine.spec.name if engine is not None else "qvld"
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        self._user(request)
+        await self._caller(request)
         engine = self.state.require_engine()
         entry = {"id": engine.spec.name, "object": "model",
                  "created": int(time.time() - (time.monotonic() - self.state.started)),
@@ -575,19 +650,10 @@ class HttpFront:
         return web.json_response(body, status=503, headers={"Retry-After": "1"})
 
     async def metrics_text(self, request: web.Request) -> web.StreamResponse:
-        self._user(request)
+        await self._caller(request)
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         return web.Response(body=encoder(self.metrics.registry),
                             headers={"Content-Type": content_type})
-
-
-class _TooLarge(QvlError):
-    code = "frame_too_large"  # 413
-
-
-class _Stalled(QvlError):
-    code = "bad_request"
-    http_status = 408
 
 
 def _not_an_image(data: bytes) -> str | None:

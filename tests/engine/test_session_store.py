@@ -44,6 +44,16 @@ def test_same_id_for_two_users_is_two_sessions() -> None:
     assert not store.close(2, "chat")
 
 
+def test_closing_a_user_ends_all_of_theirs_and_nobody_elses() -> None:
+    store = SessionStore(8, 60, per_user=4)
+    for sid in ("a", "b", "c"):
+        commit(store, 7, sid)
+    commit(store, 8, "a")
+    assert store.close_user(7) == 3
+    assert ids_of(store) == [(8, "a")]
+    assert store.close_user(7) == 0
+
+
 def test_nothing_exists_until_a_turn_commits() -> None:
     store = SessionStore(8, 60, per_user=4)
     turn = store.begin(1, "new", None, 0)

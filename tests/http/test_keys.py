@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,49 @@ def test_is_http() -> None:
 ])
 def test_parse_bearer(header: str | None, token: str | None) -> None:
     assert parse_bearer(header) == token
+
+
+def test_a_new_key_under_a_name_is_a_new_user() -> None:
+    ids = UserIds()
+    old = ids.id("alice", hash_key("old"))
+    new = ids.id("alice", hash_key("new"))
+    assert old != new and ids.name(old) == ids.name(new) == "alice"
+    assert ids.known("alice", hash_key("old")) == old
+    assert ids.known("alice", hash_key("never asked")) is None
+
+
+@pytest.mark.parametrize(("mode", "why"), [
+    (0o666, "mode 0666"), (0o620, "mode 0620"), (0o602, "mode 0602")])
+def test_a_file_others_can_write_is_refused(tmp_path: Path, mode: int, why: str) -> None:
+    path = write(tmp_path, f"alice:{ABC_HASH}\n", mode=mode)
+    with pytest.raises(KeyFileError, match=f"writable by other users \\({why}\\)"):
+        ApiKeys.load(path)
+
+
+def test_a_file_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, f"alice:{ABC_HASH}\n", mode=0o600)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(KeyFileError, match="owned by uid 65534"):
+        ApiKeys.load(path)
+
+
+def test_a_directory_others_can_write_is_refused_unless_sticky(tmp_path: Path) -> None:
+    directory = tmp_path / "conf"
+    directory.mkdir()
+    path = write(directory, f"alice:{ABC_HASH}\n", mode=0o600)
+    directory.chmod(0o777)
+    with pytest.raises(KeyFileError, match=f"its directory {directory} \\(mode 0777\\)"):
+        ApiKeys.load(path)
+    directory.chmod(0o1777)  # sticky, like /tmp: others cannot replace the file
+    assert ApiKeys.load(path).user("abc") == "alice"
+    directory.chmod(0o755)
+    os.chown(directory, 65534, 65534)
+    with pytest.raises(KeyFileError, match=f"its directory {directory} is owned by uid 65534"):
+        ApiKeys.load(path)
+    # A link from a safe place to a file in an unsafe one is judged where it points.
+    os.chown(directory, 0, 0)
+    directory.chmod(0o777)
+    link = tmp_path / "keys-link"
+    link.symlink_to(path)
+    with pytest.raises(KeyFileError, match="lets others replace it"):
+        ApiKeys.load(link)

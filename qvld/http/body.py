@@ -1,0 +1,263 @@
+"""Request bodies: what reading and decoding one may cost the daemon.
+
+- **Bytes held.** A body is read into memory whole (a data URL is one JSON string), so
+  what all connections hold at once is bounded: ``http.max_pending_bytes`` in all, and
+  at most ``http.max_body_bytes`` per user, reserved from ``Content-Length`` before a
+  byte is read (or chunk by chunk without one) and given back once the body is decoded.
+  Past either, the request is refused at once (503 for the total, 429 for the user's
+  share). The refused body's remaining bytes are read and dropped by aiohttp's
+  lingering close, so a client still sending reads the answer instead of a reset.
+- **Work before decoding.** ``json.loads`` holds the GIL for the whole document and
+  builds every value: 32 MiB of ``[[],[],...]`` is 11 M lists, seconds of a stalled event
+  loop and most of a GiB. ``check_json_shape`` walks the bytes first, with NumPy on
+  256 KiB slices (the GIL released, the walk stopping at the first slice over budget), and
+  refuses a body of more than ``MAX_VALUES`` values or ``MAX_DEPTH`` levels, as the
+  socket's ``protocol.check_shape`` does for msgpack. Strings may be as long as the body
+  (an image data URL is one). Bodies past ``INLINE_BYTES`` are walked and decoded on a
+  thread of the HTTP front's own, never on the event loop.
+- **Text.** The body must be UTF-8 (strictly: no encoded surrogates) and no string in it
+  may hold a lone surrogate (``"\\ud800"``, which JSON's escapes allow and nothing
+  downstream can encode): both are a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from qvld.errors import BadRequest, Busy, FrameTooLarge, QvlError
+from qvld.protocol import MAX_OBJECTS
+from qvld.server import PendingBytes
+
+# The socket's budget of values per request; JSON Schemas nest deeper than msgpack
+# frames need to (response_format schemas up to 64 levels, inside the body's own).
+MAX_VALUES = MAX_OBJECTS
+MAX_DEPTH = 128
+INLINE_BYTES = 64 << 10
+_SLICE = 256 << 10  # its index arrays are 2 MiB each
+_QUOTE, _BACKSLASH = 0x22, 0x5C
+_OPEN, _CLOSE, _SEPARATOR = (np.zeros(256, dtype=bool) for _ in range(3))
+_OPEN[[ord("["), ord("{")]] = True
+_CLOSE[[ord("]"), ord("}")]] = True
+_SEPARATOR[[ord(","), ord(":")]] = True
+_STRUCTURAL = _OPEN | _CLOSE | _SEPARATOR
+
+
+class BodyTooLarge(FrameTooLarge):
+    """Over http.max_body_bytes (HTTP 413)."""
+
+
+class BodyStalled(QvlError):
+    code = "bad_request"
+    http_status = 408
+
+
+class Overloaded(Busy):
+    """The daemon holds http.max_pending_bytes of bodies already: any instance but this
+    one could take the request (HTTP 503, retryable)."""
+
+    http_status = 503
+
+
+def check_json_shape(data: bytes | bytearray | memoryview, max_values: int = MAX_VALUES,
+                     max_depth: int = MAX_DEPTH) -> int:
+    """An upper bound on the values (keys included) the JSON text ``data`` decodes to,
+    or ``bad_request`` past ``max_values`` or deeper than ``max_depth``.
+
+    Every value but the first follows a ``[``, ``{``, ``,`` or ``:`` outside a string,
+    so one plus their count bounds the values (exactly, when no container is empty).
+    Strings are told apart by their unescaped quotes: a quote after an odd run of
+    backslashes is inside a string. Exact up to the first syntax error, which the
+    decoder then reports having built no more than this.
+    """
+    view = np.frombuffer(data, dtype=np.uint8)
+    values, depth = 1, 0
+    in_string = False
+    backslashes = 0  # the run of backslashes that ended the previous slice
+    for start in range(0, len(view), _SLICE):
+        part = view[start:start + _SLICE]
+        quotes = np.flatnonzero(part == _QUOTE)
+        is_backslash = part == _BACKSLASH
+        if is_backslash.any():
+            # For each byte, the index of the last byte at or before it that is not a
+            # backslash (-1: none in this slice): a quote's run is the distance to it.
+            last_plain = np.maximum.accumulate(
+                np.where(is_backslash, -1, np.arange(part.size)))
+            if quotes.size:
+                before = quotes - 1
+                plain = np.where(before >= 0, last_plain[np.maximum(before, 0)], -1)
+                # A run that reaches the slice's start continues the previous one's.
+                run = before - plain + np.where(plain < 0, backslashes, 0)
+                quotes = quotes[run % 2 == 0]
+            tail_plain = int(last_plain[-1])
+            backslashes = part.size - 1 - tail_plain + (backslashes if tail_plain < 0
+                                                         else 0)
+        else:
+            if backslashes % 2 and quotes.size and quotes[0] == 0:
+                quotes = quotes[1:]  # escaped by the previous slice's last backslash
+            backslashes = 0
+        structural = np.flatnonzero(_STRUCTURAL[part])
+        if structural.size:
+            # Outside a string: an even number of quotes before it (plus the carry).
+            inside = (np.searchsorted(quotes, structural) + in_string) % 2 == 1
+            marks = part[structural[~inside]]
+            opens = _OPEN[marks]
+            values += int(opens.sum()) + int(_SEPARATOR[marks].sum())
+            if values > max_values:
+                raise BadRequest(f"the request body holds more than {max_values} JSON "
+                                 "values")
+            steps = opens.astype(np.int64) - _CLOSE[marks]
+            if steps.size:
+                levels = np.cumsum(steps) + depth
+                if int(levels.max()) > max_depth:
+                    raise BadRequest(f"the request body nests deeper than {max_depth} "
+                                     "levels")
+                depth = int(levels[-1])
+        in_string = bool((quotes.size + in_string) % 2)
+    return values
+
+
+def _no_lone_surrogates(value: Any) -> None:
+    """BadRequest if any string or key holds a surrogate code point (JSON's ``\\ud800``
+    escapes decode to one; pairs decode to a real character). ASCII strings, a data
+    URL among them, are known clean without reading them."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            strings = (item,)
+        elif isinstance(item, dict):
+            strings = tuple(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+            continue
+        else:
+            continue
+        for text in strings:
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise BadRequest("the request body holds invalid Unicode: a lone "
+                                     f"surrogate \\u{ord(text[exc.start]):04x} (only "
+                                     "pairs make a character)") from None
+
+
+def decode_json(data: bytes | bytearray) -> Any:
+    """A request body -> its JSON value, or ``bad_request`` (see the module docstring).
+    The walk comes first: a refused body is never copied into a str."""
+    check_json_shape(data)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not valid UTF-8 ({exc.reason} at byte "
+                         f"{exc.start})") from None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    _no_lone_surrogates(value)
+    return value
+
+
+class BodyReader:
+    """Reads and decodes JSON bodies within the byte budget (one per HTTP front)."""
+
+    def __init__(self, max_body_bytes: int, max_pending_bytes: int, read_timeout_s: float,
+                 executor: Executor) -> None:
+        self.budget = PendingBytes(max_pending_bytes, max_body_bytes)
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
+        self.executor = executor
+
+    def reconfigure(self, max_body_bytes: int, max_pending_bytes: int,
+                    read_timeout_s: float) -> None:
+        self.budget.total, self.budget.per_uid = max_pending_bytes, max_body_bytes
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
+
+    def _reserve(self, user: int, n: int) -> None:
+        budget = self.budget
+        if budget.reserve(user, n):
+            return
+        if budget.held + n > budget.total:
+            raise Overloaded(f"the daemon is receiving too many request bodies at once "
+                             f"(http.max_pending_bytes, {budget.total} bytes); retry")
+        raise Busy(f"this user's request bodies being received pass http.max_body_bytes "
+                   f"({budget.per_uid} bytes) together; retry when one is answered")
+
+    async def read_json(self, request: web.Request, user: int) -> Any:
+        """The body of ``request`` from ``user`` (a key of the per-user share), decoded."""
+        limit = self.max_body_bytes
+        announced = request.content_length
+        if announced is not None and announced > limit:
+            raise BodyTooLarge(f"the request body is {announced} bytes; at most {limit} "
+                               "(http.max_body_bytes)")
+        held = _Held(self, user)
+        try:
+            body = await self._read(request, announced, limit, held)
+            if not body:
+                raise BadRequest("the request body is empty; send a JSON object")
+            if len(body) <= INLINE_BYTES:
+                return decode_json(body)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.executor, decode_json, body)
+        finally:
+            held.release()
+
+    async def _read(self, request: web.Request, announced: int | None, limit: int,
+                    held: _Held) -> bytearray:
+        # An announced length is reserved before a byte is read and allocated once (a
+        # growing buffer copies itself and leaves freed pieces of every size behind);
+        # without one, the buffer and the reservation grow together.
+        if announced is not None:
+            held.add(announced)
+        body = bytearray(announced) if announced is not None else bytearray()
+        filled = 0
+        deadline = time.monotonic() + self.read_timeout_s
+        while True:
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(),
+                                               max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                raise BodyStalled(f"the request body did not arrive within "
+                                  f"{self.read_timeout_s:g} s") from None
+            if not chunk:
+                break
+            if announced is None:
+                if filled + len(chunk) > limit:
+                    raise BodyTooLarge(f"the request body is over {limit} bytes "
+                                       "(http.max_body_bytes)")
+                held.add(len(chunk))
+                body += chunk
+            else:
+                # aiohttp stops at Content-Length: this never writes past the buffer.
+                body[filled:filled + len(chunk)] = chunk
+            filled += len(chunk)
+        del body[filled:]
+        return body
+
+
+class _Held:
+    """One body's share of the budget, given back once (whatever became of it)."""
+
+    def __init__(self, reader: BodyReader, user: int) -> None:
+        self.reader = reader
+        self.user = user
+        self.bytes = 0
+
+    def add(self, n: int) -> None:
+        self.reader._reserve(self.user, n)
+        self.bytes += n
+
+    def release(self) -> None:
+        if self.bytes:
+            self.reader.budget.release(self.user, self.bytes)
+            self.bytes = 0
