@@ -185,3 +185,23 @@ def test_the_template_unit_is_the_plain_one_but_for_its_instance() -> None:
     assert "Requires=qvld@%i.socket" in unit and "Also=qvld@%i.socket" in unit
     assert "ListenStream=/run/qvld/qvld-%i.sock" in \
         (ROOT / "packaging/systemd/qvld@.socket").read_text()
+
+
+def test_the_proxies_never_send_a_generation_that_reached_an_instance_again() -> None:
+    """nginx: no non_idempotent in proxy_next_upstream (a POST is passed on only when it
+    never reached an instance). HAProxy: retry-on only conn-failure, empty-response and
+    503 (qvld answers 503 before any work starts)."""
+    nginx = (ROOT / "packaging/nginx/qvld.conf").read_text()
+    directives = re.findall(r"^\s*proxy_next_upstream\s+([^;]*);", nginx, re.M)
+    assert directives and all("non_idempotent" not in d for d in directives)
+    haproxy = (ROOT / "packaging/haproxy/haproxy.cfg").read_text()
+    retries = re.findall(r"^\s*retry-on\s+(.*)$", haproxy, re.M)
+    assert retries and all(set(r.split()) <= {"conn-failure", "empty-response", "503"}
+                           for r in retries)
+
+
+def test_the_units_let_qvld_ask_the_kernel_who_is_calling() -> None:
+    for unit in ("qvld.service", "qvld@.service"):
+        text = (ROOT / "packaging/systemd" / unit).read_text()
+        families = re.search(r"^RestrictAddressFamilies=(.*)$", text, re.M)
+        assert families is not None and "AF_NETLINK" in families.group(1).split(), unit
