@@ -19,9 +19,11 @@ backups, so it holds only hashes.
 from __future__ import annotations
 
 import contextlib
+import grp
 import hashlib
 import logging
 import os
+import pwd
 import re
 import secrets
 import stat
@@ -115,8 +117,18 @@ def _parse_line(line: str, where: str) -> tuple[str | None, str | None, list[str
     return (name if valid_name(name) else None), key_hash, errors
 
 
+# The service's own user (packaging/sysusers.d): `qvld check-config` run by root trusts
+# a file the daemon's user owns, as the daemon itself does.
+SERVICE_USER = "qvld"
+
+
 def _trusted_owner(uid: int) -> bool:
-    return uid in (0, os.geteuid())
+    if uid in (0, os.geteuid()):
+        return True
+    try:
+        return pwd.getpwnam(SERVICE_USER).pw_uid == uid
+    except KeyError:
+        return False
 
 
 def writable_by_others(path: Path, info: os.stat_result) -> str | None:
@@ -124,10 +136,17 @@ def writable_by_others(path: Path, info: os.stat_result) -> str | None:
     (and so give themselves a key), or None. As sshd's StrictModes: the file is owned by
     one of them and writable by no group or other user, and so is every directory above
     it, unless the directory is sticky (/tmp: others cannot replace what is not theirs).
-    Both the path as given and the file it resolves to are checked."""
+    Both the path as given and the file it resolves to are checked. A file on a
+    read-only mount (a Kubernetes Secret, a container's ``:ro`` bind) cannot be changed
+    from here by anyone."""
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return None
+    except OSError:
+        pass
     if not _trusted_owner(info.st_uid):
         return (f"{path} is writable by other users: it is owned by uid {info.st_uid} "
-                f"(only root or the daemon's user, uid {os.geteuid()}, may own it)")
+                f"(only root or the daemon's user may own it): chown root {path}")
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return (f"{path} is writable by other users (mode "
                 f"{stat.S_IMODE(info.st_mode):04o}); chmod go-w {path}")
@@ -307,7 +326,12 @@ def _write(path: Path, content: bytes, exists: bool) -> None:
         info = path.stat()
         mode, owner = info.st_mode & 0o7777, (info.st_uid, info.st_gid)
     else:
-        mode, owner = 0o640, None  # the daemon's group may read it; others not
+        # The daemon's group may read it, others not: root's new file goes to the
+        # service's group (the daemon runs as that user, not as root).
+        mode, owner = 0o640, None
+        if os.geteuid() == 0:
+            with contextlib.suppress(KeyError):
+                owner = (0, grp.getgrnam(SERVICE_USER).gr_gid)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as file:

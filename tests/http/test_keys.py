@@ -250,3 +250,30 @@ def test_a_directory_others_can_write_is_refused_unless_sticky(tmp_path: Path) -
     link.symlink_to(path)
     with pytest.raises(KeyFileError, match="lets others replace it"):
         ApiKeys.load(link)
+
+
+def test_a_file_on_a_read_only_mount_is_trusted(tmp_path: Path) -> None:
+    """A Kubernetes Secret or a container's :ro bind: nobody here can change it, whoever
+    owns it (in a mount namespace of its own, so nothing else sees the mount)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    script = textwrap.dedent(f"""
+        set -e
+        mount -t tmpfs tmpfs {mount}
+        printf 'alice:{ABC_HASH}\\n' > {mount}/keys
+        chmod 0666 {mount}/keys
+        chown 65534 {mount}/keys
+        {sys.executable} -c 'from qvld.http.keys import ApiKeys; from pathlib import Path
+        ApiKeys.load(Path("{mount}/keys"))' 2>/dev/null && echo writable-accepted
+        mount -o remount,ro {mount}
+        {sys.executable} -c 'from qvld.http.keys import ApiKeys; from pathlib import Path
+        print(ApiKeys.load(Path("{mount}/keys")).user("abc"))'
+        """)
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          script], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["alice"], out.stdout
