@@ -12,6 +12,7 @@ from typing import Any
 from qvld import __version__, protocol
 from qvld.config import Config
 from qvld.engine import Engine
+from qvld.engine.constraints import Constraint
 from qvld.engine.prompts import PrepareStopped
 from qvld.engine.request import bool_param, int_param, parse_deadline, parse_generate
 from qvld.errors import BadRequest, Forbidden, Timeout, Unavailable, UnsupportedVersion
@@ -195,6 +196,10 @@ class Handlers:
                 raise Timeout("the deadline passed while the request's images were "
                               f"decoded ({exc})") from None
             raise
+        if prepared.constraint is not None and not await self._compiled(
+                prepared.constraint, ctx):
+            ctx.outcome = "cancelled"
+            return cancelled_result().to_dict()
         rid = ctx.request.id
 
         def on_token(text: str, ids: list[int]) -> None:
@@ -227,6 +232,37 @@ class Handlers:
         if result.finish_reason == "cancelled":
             ctx.outcome = "cancelled"
         return result.to_dict()
+
+    @staticmethod
+    async def _compiled(constraint: Constraint, ctx: RequestContext) -> bool:
+        """Wait, holding no thread, until the request's grammar is compiled, so that the
+        generation queue and its workers never wait for one (a user sending many large
+        schemas at once held them all, and others' requests waited behind). False when
+        the client left meanwhile; the typed error of a failed or late compile raises."""
+        loop = asyncio.get_running_loop()
+        left = asyncio.Event()
+
+        def leave() -> None:
+            loop.call_soon_threadsafe(left.set)
+
+        ctx.on_cancel.append(leave)
+        if ctx.cancelled.is_set():
+            left.set()
+        compiled: asyncio.Future[Any] = asyncio.wrap_future(constraint.future)
+        leaving: asyncio.Future[Any] = asyncio.ensure_future(left.wait())
+        try:
+            await asyncio.wait({compiled, leaving}, timeout=constraint.remaining_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            constraint.abandon()
+            raise
+        finally:
+            leaving.cancel()
+        if left.is_set() and not compiled.done():
+            constraint.abandon()
+            return False
+        constraint.check()  # the typed error: failed, or past the compile timeout
+        return True
 
     async def cancel(self, ctx: RequestContext) -> dict[str, Any]:
         target = int_param(ctx.request.params, "target")

@@ -8,7 +8,11 @@ and Lark/GBNF grammars with one API. Its wheel is abi3 (one wheel for Python 3.1
 - ``parse_response_format`` types the wire's value (no llguidance needed);
 - ``GrammarCompiler`` compiles on its own threads, once per content (an LRU of compiled
   matchers; a request gets a copy), so compiling runs beside image decoding, encoding
-  and prefill, and a cached grammar costs nothing;
+  and prefill, and a cached grammar costs nothing and waits behind nobody. Compiles
+  wait their turn round-robin between users, one user runs on at most all threads but
+  one while it could matter to another, and a compile every requester of which has
+  left or passed its deadline is dropped before it starts (a running one cannot be
+  stopped: llguidance gives no way; its result is cached);
 - ``Constraint`` is one request's matcher: ``mask`` sets every token the grammar does
   not allow next to -inf in the sliced logits, ``advance`` feeds it the chosen token and
   says whether the grammar is complete (the answer ends there: nothing else may follow).
@@ -24,7 +28,7 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -35,6 +39,7 @@ from typing import Any, Literal, NoReturn
 import numpy as np
 
 from qvld.errors import BadRequest
+from qvld.fairqueue import FairQueue
 
 log = logging.getLogger("qvld.engine")
 
@@ -166,25 +171,51 @@ class Compiled:
     seconds: float
 
 
+@dataclass(eq=False)
+class _Job:
+    """A compile waiting or running, and the requests that still want it."""
+
+    fmt: ResponseFormat
+    uid: int  # the user whose turn it takes
+    future: Future[Compiled]
+    deadline: float  # the latest of its requesters' (time.monotonic())
+    wanted: int = 1
+    started: bool = False
+
+
+_ABANDONED = "not compiled: every request for it left or passed its deadline first"
+
+
 class GrammarCompiler:
     """Compiles response formats for one tokenizer on background threads; keeps the last
     ``cache_size`` results by content (failures too: a hostile schema sent again costs
-    nothing), and runs one compile per content at a time."""
+    nothing), and runs one compile per content at a time. Waiting compiles are taken
+    round-robin between users (``FairQueue``); one user holds at most ``threads - 1``
+    of the threads, so another user's compile never waits for all of its."""
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_ids: Sequence[int],
                  *, cache_size: int = 64, threads: int = 2) -> None:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="qvld-grammar")
+        self.per_uid = max(1, threads - 1)
         self._lock = threading.Lock()
         self._done: OrderedDict[str, Compiled] = OrderedDict()
-        self._running: dict[str, Future[Compiled]] = {}
+        self._jobs: dict[str, _Job] = {}  # waiting or running, by content
+        self._waiting: FairQueue[_Job] = FairQueue()
+        self._running: Counter[int] = Counter()  # compiles running per uid
+        self._deferred = 0  # turns given up because every waiting user was at its share
+        self._closed = False
+        # A pool, not threads of our own: an engine a reload replaced lets its compiler
+        # go (the pool's threads end with it), and the interpreter waits for a running
+        # compile before it exits. Each queued compile is one turn submitted to it.
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="qvld-grammar")
         # The vocabulary's token trie takes ~0.8 s to build for Qwen's 151k tokens:
         # built on a compile thread, so that it delays neither loading nor any request
         # without a response format.
         self._tokenizer = self._pool.submit(self._load_tokenizer, tokenizer_json,
                                             list(eos_ids))
         self.compiles = 0  # compiles run (not served from the cache), for tests and stats
+        self.dropped = 0  # compiles nobody wanted any more by their turn
 
     def _load_tokenizer(self, path: Path, eos_ids: list[int]) -> Any:
         from llguidance import LLTokenizer
@@ -197,9 +228,10 @@ class GrammarCompiler:
         response format then pays only its compile)."""
         self._tokenizer.result()
 
-    def compile(self, fmt: ResponseFormat) -> tuple[Future[Compiled], bool]:
-        """The compile of ``fmt`` (started now, running, or cached) and whether it was
-        cached (done before this request asked)."""
+    def compile(self, fmt: ResponseFormat, uid: int = 0, deadline: float = float("inf")
+                ) -> tuple[Future[Compiled], bool]:
+        """The compile of ``fmt`` (cached, running, waiting, or queued now for ``uid``)
+        and whether it was cached (done before this request asked)."""
         key = fmt.key
         with self._lock:
             done = self._done.get(key)
@@ -208,12 +240,73 @@ class GrammarCompiler:
                 future: Future[Compiled] = Future()
                 future.set_result(done)
                 return future, True
-            running = self._running.get(key)
-            if running is not None:
-                return running, False
-            future = self._pool.submit(self._compile, fmt)
-            self._running[key] = future
-        return future, False
+            job = self._jobs.get(key)
+            if job is not None:
+                job.wanted += 1
+                job.deadline = max(job.deadline, deadline)
+                return job.future, False
+            if self._closed:
+                raise BadRequest("the daemon is shutting down")
+            job = _Job(fmt, uid, Future(), deadline)
+            self._jobs[key] = job
+            self._waiting.push(uid, job)
+        self._pool.submit(self._turn)
+        return job.future, False
+
+    def abandon(self, fmt: ResponseFormat) -> None:
+        """A requester no longer waits (it left, or passed its deadline): a compile that
+        nobody wants any more is dropped before it starts."""
+        with self._lock:
+            job = self._jobs.get(fmt.key)
+            if job is None or job.started:
+                return
+            job.wanted -= 1
+            if job.wanted <= 0 and self._waiting.remove(job.uid, job):
+                self._drop(job)
+
+    def _drop(self, job: _Job) -> None:
+        """(lock held) End a job that never ran; not cached."""
+        del self._jobs[job.fmt.key]
+        self.dropped += 1
+        job.future.set_result(Compiled(None, _ABANDONED, 0.0))
+
+    def _take(self) -> _Job | None:
+        """The next compile: round-robin between users, none over its share, a job
+        nobody waits for dropped on the way; None if no user may start one (lock
+        held)."""
+        while not self._closed:
+            job = self._waiting.pop(lambda uid: self._running[uid] < self.per_uid)
+            if job is None:
+                if len(self._waiting):
+                    self._deferred += 1  # a running compile's end gives the turn back
+                return None
+            if job.wanted <= 0 or time.monotonic() >= job.deadline:
+                self._drop(job)
+                continue
+            job.started = True
+            self._running[job.uid] += 1
+            return job
+        return None
+
+    def _turn(self) -> None:
+        """One turn on a pool thread: the next compile, if any may start."""
+        with self._lock:
+            job = self._take()
+        if job is None:
+            return
+        try:
+            result = self._compile(job.fmt)
+        finally:
+            with self._lock:
+                self._running[job.uid] -= 1
+                if not self._running[job.uid]:
+                    del self._running[job.uid]
+                again = self._deferred > 0 and not self._closed
+                if again:
+                    self._deferred -= 1
+            if again:
+                self._pool.submit(self._turn)
+        job.future.set_result(result)
 
     def _compile(self, fmt: ResponseFormat) -> Compiled:
         from llguidance import LLMatcher
@@ -227,24 +320,30 @@ class GrammarCompiler:
         result = Compiled(None if error else matcher, error, time.perf_counter() - t0)
         with self._lock:
             self.compiles += 1
-            self._running.pop(fmt.key, None)
+            self._jobs.pop(fmt.key, None)
             self._done[fmt.key] = result
             while len(self._done) > self.cache_size:
                 self._done.popitem(last=False)
         return result
 
-    def start(self, fmt: ResponseFormat, timeout_s: float) -> Constraint:
+    def start(self, fmt: ResponseFormat, timeout_s: float, uid: int = 0) -> Constraint:
         """One request's constraint, its compile started (or found) now."""
-        future, cached = self.compile(fmt)
-        return Constraint(fmt, future, cached, time.monotonic() + timeout_s, timeout_s,
-                          self.vocab_size)
+        deadline = time.monotonic() + timeout_s
+        future, cached = self.compile(fmt, uid, deadline)
+        return Constraint(fmt, future, cached, deadline, timeout_s, self.vocab_size,
+                          self)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"cached": len(self._done), "compiling": len(self._running),
-                    "compiles": self.compiles, "cache_size": self.cache_size}
+            return {"cached": len(self._done), "compiling": sum(self._running.values()),
+                    "waiting": len(self._waiting), "compiles": self.compiles,
+                    "cache_size": self.cache_size}
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for job in self._waiting.clear():
+                self._drop(job)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -252,9 +351,13 @@ class Constraint:
     """One request's matcher: a copy of the compiled one, advanced token by token."""
 
     def __init__(self, fmt: ResponseFormat, future: Future[Compiled], cached: bool,
-                 deadline: float, timeout_s: float, vocab_size: int) -> None:
+                 deadline: float, timeout_s: float, vocab_size: int,
+                 compiler: GrammarCompiler | None = None) -> None:
         self.format = fmt
         self.cached = cached
+        self.future = future
+        self._compiler = compiler
+        self._abandoned = False
         self._future = future
         self._deadline = deadline
         self._timeout_s = timeout_s
@@ -270,20 +373,42 @@ class Constraint:
             return None
         return self._future.result().error
 
-    def wait(self) -> None:
-        """Block until compiled (within ``engine.grammar_compile_timeout_s`` of the
-        request's start): ``bad_request`` naming what failed, or on time out."""
-        if self._matcher is not None:
-            return
+    @property
+    def remaining_s(self) -> float:
+        """Seconds left of ``engine.grammar_compile_timeout_s``."""
+        return max(0.0, self._deadline - time.monotonic())
+
+    def abandon(self) -> None:
+        """This request no longer waits for the compile (it left, or timed out)."""
+        if not self._abandoned and self._compiler is not None and not self._future.done():
+            self._abandoned = True
+            self._compiler.abandon(self.format)
+
+    def _result(self, timeout_s: float) -> Compiled:
+        """The compile, within ``timeout_s``: ``bad_request`` naming what failed, or on
+        time out (``engine.grammar_compile_timeout_s`` of the request's start)."""
         try:
-            compiled = self._future.result(max(0.0, self._deadline - time.monotonic()))
+            compiled = self._future.result(timeout_s)
         except FutureTimeout:
+            self.abandon()
             raise BadRequest(f"response_format: compiling the {self.format.type} took longer "
                              f"than engine.grammar_compile_timeout_s "
                              f"({self._timeout_s:g} s)") from None
         if compiled.error is not None or compiled.matcher is None:
             raise BadRequest(f"response_format: the {self.format.type} cannot be used: "
                              f"{_first_lines(compiled.error or 'no matcher')}")
+        return compiled
+
+    def check(self) -> None:
+        """Without waiting: the typed error if the compile failed or its time is up."""
+        self._result(0.0)
+
+    def wait(self) -> None:
+        """Block until compiled and take this request's copy of the matcher."""
+        if self._matcher is not None:
+            return
+        compiled = self._result(self.remaining_s)
+        assert compiled.matcher is not None
         if not self.cached:
             self.compile_s = compiled.seconds
         self._matcher = compiled.matcher.deep_copy()

@@ -180,7 +180,8 @@ class Engine:
         constraint = None
         if request.response_format is not None:  # compiles while the images decode
             constraint = self.grammars.start(request.response_format,
-                                             self.config.engine.grammar_compile_timeout_s)
+                                             self.config.engine.grammar_compile_timeout_s,
+                                             uid)
         session: Session | None = None
         lost = False
         if request.session is not None:  # looked up, never created before a turn commits

@@ -280,6 +280,63 @@ def test_a_compile_past_its_timeout_is_a_bad_request_and_still_fills_the_cache(
     assert compiler.compiles == 2  # the timed-out compile finished and was kept
 
 
+def slow(n: int) -> ResponseFormat:
+    """A distinct schema that takes a while to compile (a third of a second or so)."""
+    parsed = parse_response_format({"type": "json_schema", "schema": {"anyOf": [
+        {"type": "object", "properties": {f"u{n}_{i}": {"const": i}},
+         "required": [f"u{n}_{i}"]} for i in range(1500)]}})
+    assert parsed is not None
+    return parsed
+
+
+def wide(n: int) -> ResponseFormat:
+    """A distinct schema slower still to compile (most of a second)."""
+    parsed = parse_response_format({"type": "json_schema", "schema": {
+        "type": "object",
+        "properties": {f"w{n}_{i}": {"type": "string"} for i in range(3000)}}})
+    assert parsed is not None
+    return parsed
+
+
+def test_one_users_compiles_never_hold_every_thread(compiler: GrammarCompiler) -> None:
+    """Four of user 1's slow compiles first, then user 2's: it runs on the thread user 1
+    may not take, and is done before user 1's first."""
+    compiler.load()
+    formats = [wide(n) for n in range(4)]  # built first: the queue forms at once
+    mine = slow(100)
+    ones = [compiler.compile(f, uid=1)[0] for f in formats]
+    two, cached = compiler.compile(mine, uid=2)
+    assert not cached
+    two.result(timeout=60)
+    assert not any(f.done() for f in ones)
+    assert compiler.stats()["compiling"] == 1  # user 1 alone now: one thread
+    for future in ones:
+        assert future.result(timeout=60).error is None
+
+
+def test_a_compile_nobody_waits_for_is_dropped_before_it_starts(
+        compiler: GrammarCompiler) -> None:
+    compiler.load()
+    formats = [slow(n) for n in (201, 202, 203)]  # built first: the queue forms at once
+    busy = compiler.start(wide(200), 60, uid=1)  # user 1's one thread, for most of a second
+    left = compiler.start(formats[0], 60, uid=1)  # waits behind it
+    shared = [compiler.start(formats[1], 60, uid=1) for _ in range(2)]
+    late = compiler.start(formats[2], 0.05, uid=1)
+    left.abandon()
+    shared[0].abandon()  # the other still wants it
+    busy.wait()
+    shared[1].wait()
+    with pytest.raises(BadRequest, match="left or passed its deadline"):
+        left.wait()
+    with pytest.raises(BadRequest, match=r"grammar_compile_timeout_s|left or passed"):
+        late.wait()
+    assert compiler.dropped == 2 and compiler.compiles == 2
+    # Dropped, not cached as a failure: asked again, it compiles.
+    again = compiler.start(formats[0], 60, uid=1)
+    again.wait()
+    assert compiler.compiles == 3
+
+
 # -- the engine -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", list(WIRE))
@@ -404,3 +461,16 @@ def test_a_slow_grammar_times_out_as_a_bad_request_and_the_engine_serves_on() ->
     assert engine.blocks.stats()["held"] == 0  # nothing leaked
     result = engine.generate(ask("date", 2))
     assert result.finish_reason == "stop" and re.fullmatch(DATE, result.text)
+
+
+def test_a_compiler_nobody_holds_goes_with_its_threads() -> None:
+    """An engine replaced by a reload lets its compiler go: no thread keeps it alive."""
+    import gc
+    import weakref
+
+    compiler = GrammarCompiler(TINY / "tokenizer.json", 768, EOS, cache_size=2)
+    compiler.start(fmt("date"), 10).wait()
+    gone = weakref.ref(compiler)
+    del compiler
+    gc.collect()
+    assert gone() is None

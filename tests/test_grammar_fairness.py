@@ -1,0 +1,86 @@
+"""Grammar compiles shared fairly between users, against the real daemon: two API-key
+users over HTTP; one sends many distinct large schemas at once, the other's cached and
+new small formats are answered as if it were alone. Figures are printed (-s)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from qvld.http.keys import hash_key
+from tests.conftest import wait_for
+from tests.test_http import HttpDaemon
+
+pytestmark = pytest.mark.slow
+
+ALICE, BOB = "qvld-test-key-alice-0123456789", "qvld-test-key-bob-0123456789"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    workdir = tmp_path_factory.mktemp("grammar-fairness")
+    keys = workdir / "keys"
+    keys.write_text(f"alice:{hash_key(ALICE)}\nbob:{hash_key(BOB)}\n")
+    keys.chmod(0o600)
+    d = HttpDaemon(workdir, args=["--set", f"http.api_keys_file={keys}"]).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def ask(daemon: HttpDaemon, key: str, response_format: dict[str, Any],
+        timeout: float = 120) -> tuple[int, float, Any]:
+    body = json.dumps({"messages": [{"role": "user", "content": "Fill it in."}],
+                       "max_tokens": 8, "temperature": 0,
+                       "response_format": response_format}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {
+            "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        response = conn.getresponse()
+        reply = json.loads(response.read())
+        return response.status, time.monotonic() - t0, reply
+    finally:
+        conn.close()
+
+
+def schema(name: str, properties: int) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": {
+        "type": "object",
+        "properties": {f"{name}_{i}": {"type": "string"} for i in range(properties)}}}}
+
+
+def compiling(daemon: HttpDaemon) -> int:
+    with daemon.client(timeout=10) as client:
+        return int(client.status()["caches"]["grammars"]["compiling"])
+
+
+def test_another_users_schemas_do_not_hold_up_mine(daemon: HttpDaemon) -> None:
+    json_object = {"type": "json_object"}
+    status, alone, _ = ask(daemon, BOB, json_object)  # compiled once, cached from now on
+    assert status == 200
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        flood = [pool.submit(ask, daemon, ALICE, schema(f"wide{i}", 3000))
+                 for i in range(16)]
+        wait_for(lambda: compiling(daemon) > 0, 30, "alice's compiles to start")
+        cached = [ask(daemon, BOB, json_object) for _ in range(3)]
+        fresh = ask(daemon, BOB, schema("small", 3))
+        alice = [f.result() for f in flood]
+    cached_s = statistics.median(seconds for _, seconds, _ in cached)
+    print(f"beside 16 of alice's 3 000-property schemas: bob's cached json_object "
+          f"{cached_s:.2f} s (median of 3; {alone:.2f} s to compile it alone), a new "
+          f"small schema {fresh[1]:.2f} s ({fresh[0]}); alice's answers: "
+          f"{sorted(s for s, _, _ in alice)}, slowest {max(t for _, t, _ in alice):.1f} s")
+    assert all(status == 200 for status, _, _ in cached)
+    assert fresh[0] == 200, fresh[2]
+    assert cached_s <= 1.0
+    assert fresh[1] <= 3.0
