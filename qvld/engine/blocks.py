@@ -24,7 +24,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 # (token id, image digest or None) per row, as ``prompts.prompt_keys`` makes them.
 RowKey = tuple[int, bytes | None]
@@ -157,13 +156,6 @@ class BlockPool:
     def unpin(self, name: Hashable) -> None:
         with self._lock:
             self._unpin(name)
-            self._lock.notify_all()
-
-    def keep_pins(self, names: set[Any]) -> None:
-        """Give up every pin whose name is not in ``names`` (sessions gone)."""
-        with self._lock:
-            for name in [n for n in self._pins if n not in names]:
-                self._unpin(name)
             self._lock.notify_all()
 
     def _pinned(self) -> int:

@@ -116,7 +116,8 @@ class Engine:
         self.images = ImageCache(config.engine.image_cache_mb << 20)
         self.sessions = SessionStore(config.engine.sessions_max, config.engine.session_ttl_s,
                                      per_user=config.engine.sessions_per_user,
-                                     image_budget_bytes=config.engine.session_image_mb << 20)
+                                     image_budget_bytes=config.engine.session_image_mb << 20,
+                                     on_removed=self._unpin_session)
         self.prompts = PromptBuilder(self.spec, self.tokenizer, self.template, self.images,
                                      config.engine.max_decode_pixels, self.max_context,
                                      one_encoder_at_a_time=self.batch is not None)
@@ -260,8 +261,6 @@ class Engine:
             why = ("engine.continuous_batching is off" if self.config.model.backend == "openvino"
                    else f"the {self.models.runtime} backend runs one generation per step")
             return {"continuous_batching": False, "reason": why}
-        # Pins of sessions that ended meanwhile (expired, closed) are let go here too.
-        self.blocks.keep_pins({(s["uid"], s["id"]) for s in self.sessions.list(None)})
         decoding, prefilling = self.batch.counts()
         return {"continuous_batching": True,
                 "max_batch_tokens": self.batch.max_batch_tokens,
@@ -342,15 +341,17 @@ class Engine:
     def _pin_history(self, uid: int, sid: str, ids: list[int], images: list[PreparedImage],
                      starts: list[int]) -> None:
         """Continuous batching: the session's cached history blocks are pinned, so that
-        its next turn finds them whatever else ran meanwhile; pins of sessions that
-        ended (closed, expired, evicted) are given up."""
+        its next turn finds them whatever else ran meanwhile; the store unpins them when
+        the session leaves it (``_unpin_session``)."""
         if self.blocks is None or not self.blocks.retain:
             return
-        alive = {(s["uid"], s["id"]) for s in self.sessions.list(None)}
-        self.blocks.keep_pins(alive)
-        if (uid, sid) in alive:
+        if self.sessions.has(uid, sid):  # not evicted again at once
             self.blocks.pin((uid, sid), prompt_keys(ids, images, starts),
                             self.cache_owner(uid))
+
+    def _unpin_session(self, uid: int, sid: str) -> None:
+        if self.blocks is not None:
+            self.blocks.unpin((uid, sid))
 
     def _kept_ids(self, result: GenerateResult, request: GenerateRequest) -> list[int]:
         """The generated ids a session keeps: all, except after a stop string, where only

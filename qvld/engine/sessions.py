@@ -18,7 +18,7 @@ import collections
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -69,8 +69,7 @@ class Session:
     def size_bytes(self) -> int:
         return len(self.ids) * ID_BYTES + self.image_bytes
 
-    def describe(self) -> dict[str, Any]:
-        now = time.monotonic()
+    def describe(self, now: float) -> dict[str, Any]:
         return {"id": self.id, "uid": self.uid, "turns": self.turns, "tokens": len(self.ids),
                 "images": len(self.images), "bytes": self.size_bytes,
                 "age_s": round(now - self.created, 3),
@@ -89,8 +88,15 @@ class Turn:
 
 class SessionStore:
     def __init__(self, max_sessions: int, ttl_s: float, per_user: int | None = None,
-                 image_budget_bytes: int | None = None) -> None:
+                 image_budget_bytes: int | None = None,
+                 on_removed: Callable[[int, str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_sessions = max_sessions
+        # Told (uid, id) whenever a session leaves the store, however (closed, expired,
+        # evicted, its user's key revoked): the engine lets go of its pinned KV blocks
+        # then, not when someone happens to read the stats.
+        self.on_removed = on_removed
+        self.clock = clock  # tests pass their own, to expire sessions without sleeping
         self.per_user = min(per_user or max_sessions, max_sessions)
         self.ttl_s = ttl_s
         self.image_budget_bytes = image_budget_bytes
@@ -119,9 +125,11 @@ class SessionStore:
         del self._sessions[(session.uid, session.id)]
         if bury:
             self._bury(session.uid, session.id)
+        if self.on_removed is not None:
+            self.on_removed(session.uid, session.id)
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for session in [s for s in self._sessions.values()
                         if now - s.last_used > self.ttl_s and not s.lock.locked()]:
             self._remove(session, bury=True)
@@ -163,7 +171,8 @@ class SessionStore:
                 raise Busy(f"session {sid!r} is answering another request")
             if not self._room_possible(uid):
                 raise Busy("every session is in use; retry shortly")
-            session = Session(id=sid, uid=uid)
+            now = self.clock()
+            session = Session(id=sid, uid=uid, created=now, last_used=now)
             session.lock.acquire()
             self._pending.add(key)
             return Turn(session, new=True)
@@ -180,7 +189,7 @@ class SessionStore:
             session.image_starts = starts
             session.images = [replace(image, patches=None) for image in images]
             session.turns = 1 if reset else session.turns + 1
-            session.last_used = time.monotonic()
+            session.last_used = self.clock()
             if reset:
                 session.created = session.last_used
             session.version += 1
@@ -259,7 +268,13 @@ class SessionStore:
         """Sessions of ``uid`` (None: everyone's)."""
         with self._lock:
             self._expire()
-            return [s.describe() for s in self._sessions.values() if uid in (None, s.uid)]
+            now = self.clock()
+            return [s.describe(now) for s in self._sessions.values() if uid in (None, s.uid)]
+
+    def has(self, uid: int, sid: str) -> bool:
+        """Whether ``uid``'s session ``sid`` is stored (no LRU move, no expiry)."""
+        with self._lock:
+            return (uid, sid) in self._sessions
 
     def close(self, uid: int, sid: str, by_owner: bool = True) -> bool:
         """Close ``uid``'s session ``sid``; False if there is none. Closed by someone

@@ -132,8 +132,10 @@ def test_a_sessions_history_blocks_stay_pinned_through_other_traffic(pins: bool)
         assert follow_up.usage.cached_tokens == 0
         return
     assert follow_up.usage.cached_tokens == (history - 1) // 32 * 32 > 0
-    assert small.sessions.close(0, "kept")
-    small.stats()  # lets go of pins whose session ended
+    pinned = small.blocks.stats()["pinned"]
+    assert small.stats() == small.stats()  # reading the stats changes nothing
+    assert small.blocks.stats()["pinned"] == pinned > 0
+    assert small.sessions.close(0, "kept")  # the session goes: its pin with it, at once
     assert small.blocks.stats()["pinned"] == 0
 
 

@@ -110,7 +110,7 @@ def test_a_pinned_history_survives_eviction_until_room_is_needed() -> None:
     assert len(big.blocks) == 6 and pool.stats()["pinned"] == 0
 
 
-def test_pins_are_bounded_and_let_go_when_their_session_ends() -> None:
+def test_pins_are_bounded_and_let_go_by_name() -> None:
     pool = BlockPool(8, 2)  # at most 4 blocks pinned
     first, second = keys(1, 2, 3, 4, 5), keys(6, 7, 8, 9, 10)
     cache(pool, first)
@@ -122,7 +122,7 @@ def test_pins_are_bounded_and_let_go_when_their_session_ends() -> None:
     cache(pool, third)
     pool.pin("c", third, 1)  # the oldest pin gives way
     assert pool.stats()["pinned"] == 4
-    pool.keep_pins({"c"})
+    pool.unpin("b")
     assert pool.stats()["pinned"] == 2
     pool.unpin("c")
     assert pool.stats()["pinned"] == 0 and pool.stats()["cached"] == 6

@@ -3,8 +3,6 @@ created before a turn commits, tombstones of lost sessions, the image-byte budge
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from qvld.engine.image import PixelBudget, PreparedImage
@@ -116,11 +114,32 @@ def test_lost_sessions_are_remembered_and_closing_your_own_is_not_lost() -> None
     assert store.lookup(1, "c") == (None, True)
 
 
-def test_expired_sessions_are_lost() -> None:
-    store = SessionStore(4, 0.05, per_user=4)
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_expired_sessions_are_lost_and_said_so() -> None:
+    clock = Clock()
+    removed: list[tuple[int, str]] = []
+    store = SessionStore(4, 900, per_user=4, clock=clock,
+                         on_removed=lambda uid, sid: removed.append((uid, sid)))
     commit(store, 1, "a")
-    time.sleep(0.1)  # the scenario: the 0.05 s TTL runs out (no event to wait for)
+    clock.now += 600
+    commit(store, 1, "b")
+    assert store.list(1)[0]["idle_s"] == 600
+    clock.now += 301  # past a's TTL; b has 299 s left
     assert store.lookup(1, "a") == (None, True)
+    assert store.lookup(1, "b")[0] is not None
+    assert removed == [(1, "a")]
+    store.close(1, "b")
+    store.close_user(1)
+    assert removed == [(1, "a"), (1, "b")]  # told once each, however it left
 
 
 def test_a_moved_on_or_vanished_session_is_noticed_at_begin() -> None:
