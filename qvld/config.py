@@ -315,6 +315,9 @@ class HttpConfig(_Section):
     # Token events a streaming client may leave unread before it is cut off (its
     # generation cancelled), so a reader that stalls never grows the daemon's memory.
     max_unsent_events: int = Field(4096, ge=16)
+    # What a stream may leave in the kernel and the transport before writes wait (the
+    # socket's SO_SNDBUF too, a C int); server.send_buffer_bytes is the Unix socket's.
+    send_buffer_bytes: int = Field(1024 * 1024, ge=4096, le=C_INT_MAX)
     # image_url parts with detail "low": this image-token budget (≈ 256×256 pixels).
     low_detail_image_tokens: int = Field(64, ge=1)
     # http(s) image URLs: refused unless on, and then only from fetch_allow_hosts

@@ -34,7 +34,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
         "--set", f"http.read_timeout_s={READ_TIMEOUT_S}",
         "--set", f"http.max_connections={MAX_CONNECTIONS}",
         "--set", "http.max_body_bytes=1048576", "--set", "http.max_unsent_events=16",
-        "--set", "server.send_buffer_bytes=4096"]).start()
+        "--set", "http.send_buffer_bytes=4096"]).start()
     try:
         yield d
     finally:

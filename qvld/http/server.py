@@ -212,7 +212,7 @@ class HttpFront:
                  keys: ApiKeys | None, policy: Callable[[], AccessPolicy],
                  on_reply: OnReply | None = None) -> None:
         self.config = config.http
-        self.send_buffer_bytes = config.server.send_buffer_bytes
+        self.send_buffer_bytes = config.http.send_buffer_bytes
         self.socket_mode = config.server.socket_mode_bits
         self.serve_metrics = not config.metrics.listen
         self.state = state
@@ -252,7 +252,7 @@ class HttpFront:
         no longer in the file ends its user's sessions."""
         old_fetcher, old_keys = self.fetcher, self.keys
         self.config = config.http
-        self.send_buffer_bytes = config.server.send_buffer_bytes
+        self.send_buffer_bytes = config.http.send_buffer_bytes
         self.keys = keys
         self.bodies.reconfigure(config.http.max_body_bytes, config.http.max_pending_bytes,
                                 config.http.read_timeout_s)
@@ -564,7 +564,7 @@ class HttpFront:
         timeout = self.config.read_timeout_s
         if request.transport is not None:
             # What a stream may leave in the kernel and in the transport, as on the Unix
-            # socket (server.send_buffer_bytes); past it writes wait, events queue up to
+            # socket (http.send_buffer_bytes); past it writes wait, events queue up to
             # http.max_unsent_events, and then the client is cut off.
             with contextlib.suppress(OSError, AttributeError):
                 request.transport.get_extra_info("socket").setsockopt(
