@@ -355,10 +355,9 @@ class Constraint:
                  compiler: GrammarCompiler | None = None) -> None:
         self.format = fmt
         self.cached = cached
-        self.future = future
+        self.future = future  # the compile: awaited by the daemon, waited on here
         self._compiler = compiler
         self._abandoned = False
-        self._future = future
         self._deadline = deadline
         self._timeout_s = timeout_s
         self._matcher: Any | None = None
@@ -369,9 +368,9 @@ class Constraint:
     def failed(self) -> str | None:
         """Why the compile failed, when it has already finished and failed (cheap: lets
         a request fail before its images are encoded)."""
-        if not self._future.done():
+        if not self.future.done():
             return None
-        return self._future.result().error
+        return self.future.result().error
 
     @property
     def remaining_s(self) -> float:
@@ -380,7 +379,7 @@ class Constraint:
 
     def abandon(self) -> None:
         """This request no longer waits for the compile (it left, or timed out)."""
-        if not self._abandoned and self._compiler is not None and not self._future.done():
+        if not self._abandoned and self._compiler is not None and not self.future.done():
             self._abandoned = True
             self._compiler.abandon(self.format)
 
@@ -388,7 +387,7 @@ class Constraint:
         """The compile, within ``timeout_s``: ``bad_request`` naming what failed, or on
         time out (``engine.grammar_compile_timeout_s`` of the request's start)."""
         try:
-            compiled = self._future.result(timeout_s)
+            compiled = self.future.result(timeout_s)
         except FutureTimeout:
             self.abandon()
             raise BadRequest(f"response_format: compiling the {self.format.type} took longer "
@@ -442,7 +441,7 @@ class Constraint:
         same content is refused before its next request runs, and it is logged once."""
         assert self._matcher is not None
         reason = _first_lines(self._matcher.get_error() or "no reason given", 1)
-        compiled = self._future.result()
+        compiled = self.future.result()
         first = compiled.matcher is not None
         compiled.matcher, compiled.error = None, f"the grammar engine gave up: {reason}"
         if first:

@@ -226,7 +226,12 @@ class ApiKeys:
         return cls(MappingProxyType(users), path)
 
     def user(self, key: str) -> str | None:
-        """The user a presented key belongs to, or None.
+        """The user a presented key belongs to, or None."""
+        found = self.identify(key)
+        return found[0] if found is not None else None
+
+    def identify(self, key: str) -> tuple[str, str] | None:
+        """(user name, key hash) of a presented key, or None.
 
         A dict lookup of the key's hash, not hmac.compare_digest: what timing could leak
         is how much of a stored hash matches the hash of the attacker's guess, and that
@@ -238,7 +243,8 @@ class ApiKeys:
             key_hash = hash_key(key)
         except UnicodeEncodeError:  # lone surrogates: no key in the file is one
             return None
-        return self.users_by_hash.get(key_hash)
+        name = self.users_by_hash.get(key_hash)
+        return (name, key_hash) if name is not None else None
 
     @property
     def names(self) -> frozenset[str]:

@@ -39,7 +39,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ from qvld.http import openai
 from qvld.http.body import BodyReader
 from qvld.http.fetch import ImageFetcher, normalize_host_pattern
 from qvld.http.identity import is_loopback, tcp_peer_uid, user_groups
-from qvld.http.keys import ApiKeys, KeyFileError, UserIds, hash_key, parse_bearer
+from qvld.http.keys import ApiKeys, KeyFileError, UserIds, parse_bearer
 from qvld.logfields import log_request
 from qvld.metrics import Metrics
 from qvld.server import AccessPolicy, Peer, RequestContext, bind_unix
@@ -77,11 +77,14 @@ UNIX_PREFIX = "unix:"
 @dataclass(frozen=True)
 class Caller:
     """Who an HTTP request comes from: the peer the handlers, scheduler, sessions and
-    caches key on, and how logs name it (``user=NAME`` for a key, ``uid=N``)."""
+    caches key on, and how logs name it: ``user`` (a key's name) or ``uid``."""
 
     peer: Peer
-    log_name: str
-    fields: dict[str, Any] = field(default_factory=dict)
+    name_field: tuple[str, str | int]
+
+    @property
+    def log_name(self) -> str:
+        return "{}={}".format(*self.name_field)
 
 
 class Unauthorized(QvlError):
@@ -429,27 +432,27 @@ class HttpFront:
             key = parse_bearer(request.headers.get("Authorization"))
             if key is None:
                 raise Unauthorized("an API key is needed: Authorization: Bearer <key>")
-            name = self.keys.user(key)
-            if name is None:
+            found = self.keys.identify(key)
+            if found is None:
                 raise Unauthorized("the API key is not valid")
-            uid = self.users.id(name, hash_key(key))
+            uid = self.users.id(*found)
             caller = Caller(Peer(pid=0, uid=uid, gid=uid, groups=frozenset()),
-                            f"user={name}", {"user": name})
-        else:
-            peer = await self._kernel_peer(request)
-            if peer == "remote":
-                raise Forbidden("this listener serves local users only: callers from "
-                                "other hosts need an API key (http.api_keys_file)")
-            if not isinstance(peer, Peer):
-                raise Forbidden("the kernel shows no open socket of this machine at the "
-                                "other end of this connection; cannot tell who is asking")
-            caller = Caller(peer, f"uid={peer.uid}", {"uid": peer.uid})
-            if not self.policy().allowed(peer):
-                request["caller"] = caller
-                log.warning("HTTP: refused uid %d: not allowed", peer.uid)
-                raise Forbidden(f"uid {peer.uid} may not use this daemon; ask for "
-                                "membership of one of server.allow_groups")
-        request["caller"] = caller
+                            ("user", found[0]))
+            request["caller"] = caller
+            return caller
+        peer = await self._kernel_peer(request)
+        if peer == "remote":
+            raise Forbidden("this listener serves local users only: callers from "
+                            "other hosts need an API key (http.api_keys_file)")
+        if not isinstance(peer, Peer):
+            raise Forbidden("the kernel shows no open socket of this machine at the "
+                            "other end of this connection; cannot tell who is asking")
+        caller = Caller(peer, ("uid", peer.uid))
+        request["caller"] = caller  # a refusal is logged with the uid too
+        if not self.policy().allowed(peer):
+            log.warning("HTTP: refused uid %d: not allowed", peer.uid)
+            raise Forbidden(f"uid {peer.uid} may not use this daemon; ask for "
+                            "membership of one of server.allow_groups")
         return caller
 
     async def _kernel_peer(self, request: web.Request) -> Peer | str | None:
@@ -483,7 +486,7 @@ class HttpFront:
         log_request("http %s %s %s op=%s outcome=%s time=%.3fs", (
             request.method, path, who, op, outcome, seconds), {
             "api": "http", "method": request.method, "path": path,
-            **(caller.fields if caller is not None else {"user": None}),
+            **(dict([caller.name_field]) if caller is not None else {"user": None}),
             "op": op, "outcome": outcome, "time_s": round(seconds, 6), **(fields or {})},
             logger=log)
 
