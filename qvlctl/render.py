@@ -229,8 +229,8 @@ def status_text(status: dict[str, Any], now: float | None = None) -> str:
     queue = status.get("queue")
     if queue:
         head.append(("queue", f"{queue.get('running', 0)} running, "
-                     f"{queue.get('waiting', 0)} waiting, KV reserved "
-                     f"{human_bytes(queue.get('kv_reserved_bytes'))}"))
+                     f"{queue.get('waiting', 0)} waiting, "
+                     f"{queue.get('preemptions', 0)} preempted so far"))
     batch = status.get("batch")
     if batch:
         blocks = batch.get("kv_blocks") or {}

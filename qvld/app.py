@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from qvld import __version__, protocol, tuning
 from qvld.config import Config, iter_keys, load_config
 from qvld.engine import Engine
+from qvld.engine.engine import Generation
 from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
 from qvld.http.server import HttpFront, HttpSetupError, load_http
@@ -36,7 +37,6 @@ from qvld.logfields import FIELDS_ATTR
 from qvld.metrics import Exporter, Metrics
 from qvld.preflight import report, run_checks
 from qvld.prepare import PrepareStage
-from qvld.scheduler import Scheduler
 from qvld.server import AccessPolicy, Server, SocketInUse
 from qvld.systemd import Notifier, named_listen_fds
 
@@ -47,7 +47,6 @@ EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 78
 # listener, the tuning applied at start-up, and the number of worker threads. Everything
 # else is applied (each component's reconfigure, or a new engine).
 RESTART_KEYS = ("server.socket", "server.socket_mode", "metrics.listen", "http.listen",
-                "engine.infer_requests",
                 *(key for key in iter_keys() if key.startswith("tuning.")))
 
 
@@ -137,18 +136,16 @@ class App:
         self.overrides = list(overrides or [])
         self.notifier = notifier or Notifier()
         self.state = DaemonState(config)
-        self.scheduler = Scheduler(config.engine.infer_requests, config.server.queue_max,
-                                   config.engine.kv_admission_bytes)
         self.server: Server | None = None
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self.metrics.bind(in_flight=lambda: self.scheduler.running + self.scheduler.waiting,
-                          queue_depth=lambda: self.scheduler.waiting,
+        self.metrics.bind(in_flight=lambda: sum(self._counts()),
+                          queue_depth=lambda: self._counts()[1],
                           sessions=lambda: len(self.state.engine.sessions)
                           if self.state.engine is not None else 0,
                           batch=lambda: self.state.engine.batch_stats()
                           if self.state.engine is not None else {},
-                          running=lambda: self.scheduler.running)
+                          running=lambda: self._counts()[0])
         self.exporter: Exporter | None = None
         self.http: HttpFront | None = None
         self.prepare_stage: PrepareStage | None = None
@@ -224,17 +221,30 @@ class App:
             self.last_errors.append({"at": round(time.time(), 3), "op": protocol.op_label(op),
                                      "code": outcome, "uid": uid})
 
+    def _counts(self) -> tuple[int, int]:
+        """(running, waiting) generations of the engine serving."""
+        engine = self.state.engine
+        return engine.counts() if engine is not None else (0, 0)
+
+    def _generations(self) -> list[Generation]:
+        engine = self.state.engine
+        return engine.generations() if engine is not None else []
+
     def status_details(self, viewer: int | None = None) -> dict[str, Any]:
         """What the daemon is doing right now, for the status op: everything for an
         admin (``viewer`` None), else only the generations and errors of uid ``viewer``
         (errors recorded without a uid are shown to admins only)."""
         now = time.monotonic()
-        jobs = [{"uid": job.uid, "stage": "running" if job.started else "queued",
-                 "age_s": round(now - job.enqueued, 3)} for job in self.scheduler.jobs()
-                if viewer in (None, job.uid)]
+        jobs = [{"uid": gen.uid, "stage": gen.stage, "age_s": round(now - gen.enqueued, 3)}
+                for gen in self._generations() if viewer in (None, gen.uid)]
+        running, waiting = self._counts()
+        engine = self.state.engine
+        preempted = (engine.batch.scheduler.preemptions
+                     if engine is not None and engine.batch is not None else 0)
         errors = [e for e in self.last_errors if viewer is None or e.get("uid") == viewer]
         details: dict[str, Any] = {
-            "generations": jobs, "queue": self.scheduler.stats(),
+            "generations": jobs,
+            "queue": {"running": running, "waiting": waiting, "preemptions": preempted},
             "last_errors": errors, "pinned_cpus": self.pinned_cpus,
             "threads": self.config.engine.threads,
             "preflight": {c["id"]: c["status"] for c in self.preflight["checks"]}}
@@ -317,7 +327,7 @@ class App:
                 engine.sessions.inherit(old_engine.sessions)  # their follow-ups say reset
             self.state.engine = engine  # running jobs finish on the engine they started on
             self._model_files = _model_fingerprint(config.model.path)
-            self.scheduler.reconfigure(config)
+            engine.reconfigure(config)
             if self.prepare_stage is not None:
                 self.prepare_stage.reconfigure(config)
             if self.server is not None:
@@ -367,11 +377,11 @@ class App:
             # tests can watch systemd's watchdog restart it.
             loop.add_signal_handler(signal.SIGUSR2, time.sleep, 10**6)
         background: list[asyncio.Task[None]] = []
-        prepare = PrepareStage(workers=2, queue_max=self.config.server.queue_max)
+        prepare = PrepareStage(workers=2, queue_max=self.config.server.prepare_queue_max)
         self.prepare_stage = prepare
         policy = AccessPolicy(self.config.server)
-        handlers = Handlers(self.state, self.scheduler, prepare,
-                            in_flight=lambda: self.scheduler.running + self.scheduler.waiting,
+        handlers = Handlers(self.state, prepare,
+                            in_flight=lambda: sum(self._counts()),
                             is_admin=lambda peer: self.server is not None
                             and self.server.policy.is_admin(peer),
                             reload=self.reload, metrics=self.metrics,
@@ -524,19 +534,25 @@ class App:
             await self.http.stop_accepting()
         timeout = self.config.server.drain_timeout_s
         deadline = time.monotonic() + timeout
-        while self.scheduler.jobs() and time.monotonic() < deadline:
+        while self._generations() and time.monotonic() < deadline:
             if signal.SIGINT in self._signals:  # a second SIGINT: no more waiting
                 log.info("second SIGINT: cancelling at once")
                 break
             await asyncio.sleep(0.02)
-        left = self.scheduler.cancel_all()
-        if left:
-            log.info("cancelled %d request(s) still running after the drain", left)
-            await self.scheduler.drain(10)
+        left = self._generations()
+        engine = self.state.engine
+        if left and engine is not None:
+            for gen in left:
+                engine.cancel(gen)
+            log.info("cancelled %d request(s) still running after the drain", len(left))
+            deadline = time.monotonic() + 10
+            while self._generations() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
 
     async def _shutdown(self) -> None:
         """Reverse of start: no new work, workers stop, connections close."""
-        self.scheduler.close()
+        if self.state.engine is not None:
+            self.state.engine.close()
         if self.exporter is not None:
             await self.exporter.close()
         if self.http is not None:

@@ -90,7 +90,13 @@ class EngineConfig(_Section):
     threads: Annotated[int, Field(ge=1, le=MAX_THREADS)] | Literal["auto"] = "auto"
     # Only 1: see _one_stream.
     streams: int = 1
+    # Slots: sets of infer requests, each with a thread. With continuous batching one
+    # encodes a request's images and embeds its prompt, then is free again; without it
+    # (or on onnxruntime) one runs a whole generation.
     infer_requests: int = Field(4, ge=1, le=64)
+    # Generations the step loop runs at once (continuous batching), KV cache allowing;
+    # more wait (server.queue_max) and are admitted, or preempt, fairly between users.
+    max_sequences: int = Field(8, ge=1, le=256)
     max_image_tokens: int = Field(1024, ge=1)
     default_image_tokens: int = Field(256, ge=1)
     max_images: int = Field(8, ge=0)
@@ -119,6 +125,14 @@ class EngineConfig(_Section):
     # Rows one step feeds the language model: every running generation's next token
     # first, then prompt chunks of new ones up to this many.
     max_batch_tokens: int = Field(512, ge=1)
+
+    @model_validator(mode="after")
+    def _a_step_holds_every_sequence(self) -> EngineConfig:
+        if self.continuous_batching and self.max_batch_tokens < self.max_sequences:
+            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must be at least "
+                             f"max_sequences ({self.max_sequences}): every running "
+                             "generation feeds one row per step")
+        return self
     # Structured output (response_format): a grammar not compiled within this many
     # seconds of the request's arrival is a bad_request; compiled grammars kept by content.
     grammar_compile_timeout_s: float = Field(5.0, gt=0, le=MAX_SECONDS)
@@ -132,7 +146,7 @@ class EngineConfig(_Section):
     @classmethod
     def _one_stream(cls, value: int) -> int:
         # Every generation owns one infer request per submodel, compiled for latency
-        # (PERFORMANCE_HINT=LATENCY); concurrency is engine.infer_requests. N streams
+        # (PERFORMANCE_HINT=LATENCY); concurrency is engine.max_sequences. N streams
         # would only split each generation's threads N ways (slower answers), and the
         # CPU plugin derives threads per stream from the topology it sees (pinning,
         # cgroups): a daemon with streams: 2 died of SIGFPE there, nothing logged, in a
@@ -143,7 +157,7 @@ class EngineConfig(_Section):
                 "must be 1 (each generation runs on its own infer request with all the "
                 "inference threads; more streams only split them, and OpenVINO's CPU plugin "
                 "can crash with SIGFPE); remedy: remove engine.streams, and raise "
-                "engine.infer_requests for more concurrent generations")
+                "engine.max_sequences for more concurrent generations")
         return value
 
     @model_validator(mode="after")
@@ -187,7 +201,11 @@ class ServerConfig(_Section):
     max_pending_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     # Requests one connection may have in flight at once (more: busy).
     max_requests_per_connection: int = Field(16, ge=1)
+    # Generations waiting for a slot or a place in the step loop; more are busy.
     queue_max: int = Field(32, ge=0)
+    # Requests waiting for their images to be decoded and their text tokenised (the
+    # prepare stage's threads); more are busy.
+    prepare_queue_max: int = Field(32, ge=0)
     request_timeout_s: float = Field(300, gt=0, le=MAX_SECONDS)
     drain_timeout_s: float = Field(30, ge=0, le=MAX_SECONDS)
     allow_uids: list[Annotated[int, Field(ge=0, le=UID_MAX)]] = Field(default_factory=list)

@@ -1,6 +1,6 @@
 """Waiting work per user, taken round-robin, and results handed back to the event loop.
 
-Shared by the prepare stage and the generation scheduler: both are a few worker threads
+Shared by the prepare stage and the slot workers: both are a few worker threads
 in front of which one user's burst must not starve another user's single request.
 """
 
@@ -28,6 +28,10 @@ class FairQueue(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         return (item for queue in self._by_uid.values() for item in queue)
+
+    def uids(self) -> list[int]:
+        """The uids with waiting items, in rotation order."""
+        return list(self._by_uid)
 
     def push(self, uid: int, item: T) -> None:
         self._by_uid.setdefault(uid, collections.deque()).append(item)

@@ -13,12 +13,13 @@ from qvld import __version__, protocol
 from qvld.config import Config
 from qvld.engine import Engine
 from qvld.engine.constraints import Constraint
+from qvld.engine.engine import PreparedRequest
 from qvld.engine.prompts import PrepareStopped
 from qvld.engine.request import bool_param, int_param, parse_deadline, parse_generate
+from qvld.engine.types import GenerateResult, TokenCallback, cancelled_result
 from qvld.errors import BadRequest, Forbidden, Timeout, Unavailable, UnsupportedVersion
 from qvld.metrics import Metrics
 from qvld.prepare import PrepareCancelled, PrepareStage
-from qvld.scheduler import Job, Scheduler, cancelled_result
 from qvld.server import Peer, RequestContext
 
 # Shown to admins only: who may connect or administer, and where things live.
@@ -60,7 +61,7 @@ class DaemonState:
 
 
 class Handlers:
-    def __init__(self, state: DaemonState, scheduler: Scheduler,
+    def __init__(self, state: DaemonState,
                  prepare_stage: PrepareStage,
                  in_flight: Callable[[], int] | None = None,
                  is_admin: Callable[[Peer], bool] | None = None,
@@ -75,7 +76,6 @@ class Handlers:
         self.state = state
         self.metrics = metrics
         self.extra_status = extra_status
-        self.scheduler = scheduler
         self.prepare_stage = prepare_stage
         self.in_flight = in_flight
         self.is_admin = is_admin or (lambda peer: peer.uid == 0)
@@ -205,17 +205,8 @@ class Handlers:
         def on_token(text: str, ids: list[int]) -> None:
             ctx.send_event(protocol.token_event(rid, text, ids))
 
-        job = Job(uid=uid, deadline=job_deadline, cancelled=ctx.cancelled,
-                  kv_bytes=engine.kv_bytes(prepared.max_total_tokens),
-                  run=lambda job: engine.run(prepared, on_token if stream else None,
-                                             job.should_stop))
-        ctx.on_cancel.append(lambda: self.scheduler.cancel(job))
-        if ctx.cancelled.is_set():  # the client left while the request was prepared
-            self.scheduler.cancel(job)
-        result = await self.scheduler.submit(job)
-        if job.started is not None:
-            result.timings.queue_s = round(job.started - job.enqueued, 6)
-            result.timings.total_s += result.timings.queue_s
+        result = await self._run(engine, prepared, on_token if stream else None, ctx,
+                                 job_deadline)
         if self.metrics is not None:
             self.metrics.observe_generation(result)
         t, usage = result.timings, result.usage
@@ -232,6 +223,31 @@ class Handlers:
         if result.finish_reason == "cancelled":
             ctx.outcome = "cancelled"
         return result.to_dict()
+
+    @staticmethod
+    async def _run(engine: Engine, prepared: PreparedRequest, on_token: TokenCallback | None,
+                   ctx: RequestContext, deadline: float) -> GenerateResult:
+        """The generation, awaited without holding a thread: cancelled when the client
+        leaves, and a Timeout when the deadline passes first (a waiting one ends at once,
+        a running one at its next step)."""
+        gen = engine.submit(prepared, on_token,
+                            should_stop=lambda: time.monotonic() >= deadline)
+        ctx.on_cancel.append(lambda: engine.cancel(gen))
+        if ctx.cancelled.is_set():  # the client left while the request was prepared
+            engine.cancel(gen)
+        future = asyncio.wrap_future(gen.future)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(future),
+                                            max(0.0, deadline - time.monotonic()) + 0.05)
+        except asyncio.TimeoutError:
+            engine.cancel(gen)
+            result = await future
+        if (result.finish_reason == "cancelled" and not ctx.cancelled.is_set()
+                and time.monotonic() >= deadline):
+            where = (f"after {len(result.token_ids)} tokens" if gen.started is not None
+                     else "while queued")
+            raise Timeout(f"the deadline passed {where}")
+        return result
 
     @staticmethod
     async def _compiled(constraint: Constraint, ctx: RequestContext) -> bool:

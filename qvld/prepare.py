@@ -59,7 +59,7 @@ class PrepareStage:
     def reconfigure(self, config: Config) -> None:
         """A reload's queue bound."""
         with self._lock:
-            self.queue_max = config.server.queue_max
+            self.queue_max = config.server.prepare_queue_max
 
     @property
     def waiting(self) -> int:

@@ -61,7 +61,8 @@ class HttpDaemon(Daemon):
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
     # One generation at a time: the disconnect test watches the slot come free.
     d = HttpDaemon(tmp_path_factory.mktemp("http"),
-                   args=["--set", "engine.infer_requests=1"]).start()
+                   args=["--set", "engine.infer_requests=1",
+                         "--set", "engine.max_sequences=1"]).start()
     try:
         yield d
     finally:
@@ -277,6 +278,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HttpDaemon
     # One generation at a time and no queue: a second request at once is busy (429).
     d = HttpDaemon(workdir, args=["--set", f"http.api_keys_file={keys_file}",
                                   "--set", "engine.infer_requests=1",
+                                  "--set", "engine.max_sequences=1",
                                   "--set", "server.queue_max=0"]).start()
     try:
         yield d, key

@@ -15,7 +15,6 @@ from qvld.app import App
 from qvld.config import Config, ServerConfig
 from qvld.handlers import ADMIN_ONLY_CONFIG, HIDDEN, DaemonState, Handlers
 from qvld.prepare import PrepareStage
-from qvld.scheduler import Scheduler
 from qvld.server import AccessPolicy, Peer, RequestContext, Server
 
 
@@ -134,7 +133,7 @@ def test_server_closes_an_idle_connection_but_not_a_busy_one(tmp_path: Path) -> 
 
 def _handlers(config: Config, admin: bool, **callbacks: Any) -> Handlers:
     state = DaemonState(config, state="ready")
-    return Handlers(state, Scheduler(1, 1, None), PrepareStage(1, 1),
+    return Handlers(state, PrepareStage(1, 1),
                     is_admin=lambda peer: admin, **callbacks)
 
 

@@ -22,7 +22,8 @@ from tests.conftest import NOBODY, TINY, Daemon, read_replies, run_as, wait_for
 
 LONG = {"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True,
         "temperature": 0}
-ONE_WORKER = ["--set", "engine.infer_requests=1", "--set", "engine.max_new_tokens=4000",
+ONE_WORKER = ["--set", "engine.infer_requests=1",
+              "--set", "engine.max_sequences=1", "--set", "engine.max_new_tokens=4000",
               "--set", "engine.default_max_tokens=128"]
 
 

@@ -28,6 +28,7 @@ def rss_bytes(pid: int) -> int:
 
 def test_sixty_four_clients_every_request_answered_once(tmp_path: Path) -> None:
     daemon = Daemon(tmp_path, args=["--set", "engine.infer_requests=2",
+                                    "--set", "engine.max_sequences=2",
                                     "--set", "server.queue_max=8"]).start()
     outcomes: Counter[str] = Counter()
     health_ms: list[float] = []
@@ -127,6 +128,7 @@ def next_request_waits_briefly(daemon: Daemon) -> float:
 
 def test_client_leaving_while_queued_frees_its_place(tmp_path: Path) -> None:
     daemon = Daemon(tmp_path, args=["--set", "engine.infer_requests=1",
+                                    "--set", "engine.max_sequences=1",
                                     "--set", "engine.max_new_tokens=4000"]).start()
     try:
         first = daemon.client()
@@ -152,6 +154,7 @@ def test_client_leaving_while_queued_frees_its_place(tmp_path: Path) -> None:
 @pytest.mark.parametrize("stage", ["prefill", "decode"])
 def test_client_leaving_mid_generation_frees_the_worker(tmp_path: Path, stage: str) -> None:
     daemon = Daemon(tmp_path, args=["--set", "engine.infer_requests=1",
+                                    "--set", "engine.max_sequences=1",
                                     "--set", "engine.max_new_tokens=4000",
                                     "--set", "engine.prefill_chunk=1"]).start()
     try:

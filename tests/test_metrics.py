@@ -27,7 +27,8 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def metered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, int]]:
     port = free_port()
     daemon = Daemon(tmp_path_factory.mktemp("metered"), metrics_listen=f"127.0.0.1:{port}",
-                    args=["--set", "engine.infer_requests=1", "--set", "server.queue_max=0",
+                    args=["--set", "engine.infer_requests=1",
+                          "--set", "engine.max_sequences=1", "--set", "server.queue_max=0",
                           "--set", "engine.max_new_tokens=2000"]).start()
     yield daemon, port
     assert daemon.stop() == 0

@@ -636,7 +636,7 @@ STATUS = {
               "infer_requests": 4, "max_context_tokens": 4096},
     "generations": [{"uid": 1000, "stage": "running", "age_s": 65.0},
                     {"uid": 1001, "stage": "queued", "age_s": 0.5}],
-    "queue": {"running": 1, "waiting": 1, "kv_reserved_bytes": 3 * 2**20},
+    "queue": {"running": 1, "waiting": 1, "preemptions": 3},
     "last_errors": [{"at": 1_764_650_000.0, "op": "generate", "code": "image_invalid",
                      "uid": 1001}],
     "pinned_cpus": [0, 1], "threads": 2,
@@ -675,7 +675,7 @@ def test_status_for_people_is_aligned_fields_and_tables() -> None:
     assert "12 served, 2 in flight" in fields["requests"]
     assert "qwen3-vl-2b-int8 (openvino 2026.4.1, f32 compute, int8 weights)" in fields["model"]
     assert "pinned to 0,1" in fields["threads"]
-    assert "KV reserved 3.0 MiB" in fields["queue"]
+    assert "1 running, 1 waiting, 3 preempted so far" in fields["queue"]
     assert "50 of 1000 in use (5%)" in fields["KV blocks"]
     assert "3 entries, 5.0 MiB of 256 MiB; 1 hit, 3 misses (25%)" in fields["images"]
     assert "1 warn (smt)" in fields["preflight"]

@@ -22,7 +22,7 @@ import hashlib
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 # (token id, image digest or None) per row, as ``prompts.prompt_keys`` makes them.
@@ -71,7 +71,7 @@ class BlockPool:
         self._by_hash: dict[bytes, int] = {}
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() -> block 0 first
         self._idle: OrderedDict[int, None] = OrderedDict()  # published, unheld: LRU first
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         # Pins (a session's history): blocks held on behalf of no running sequence, so
         # that LRU eviction passes them by; oldest first, given up when blocks run short.
         self._pins: OrderedDict[Hashable, list[int]] = OrderedDict()
@@ -93,42 +93,81 @@ class BlockPool:
 
     def acquire(self, keys: Sequence[RowKey], owner: int | None, rows: int) -> Lease:
         """Blocks for a sequence of ``rows`` rows whose prompt is ``keys``, reusing the
-        longest published prefix (never all of the prompt: its last row is always fed,
-        for the logits of the first token). Raises NoBlocks when they do not fit now."""
+        longest published prefix (``hold_prefix`` then ``grow``). Raises NoBlocks when
+        they do not fit now."""
+        lease = self.hold_prefix(keys, owner)
+        if not self.grow(lease, keys, owner, rows):
+            available = self.available()
+            self.release(lease)
+            raise NoBlocks(f"{self.blocks_for(rows)} blocks needed, {available} free")
+        return lease
+
+    def hold_prefix(self, keys: Sequence[RowKey], owner: int | None) -> Lease:
+        """Hold the longest published prefix of ``keys`` (never all of it: the last row
+        is always fed, for the logits of the next token), taking no new block: what a
+        request holds from the moment its images are encoded (those in the prefix are
+        not) until the scheduler admits it."""
         hashes = chain_hashes(keys, self.block_size, owner)
         with self._lock:
             matched = self._matched(hashes)
             while matched and len(matched) * self.block_size >= len(keys):
                 matched.pop()
-            need = self.blocks_for(rows) - len(matched)
-            while need > self._available(matched) and self._pins:
-                self._unpin(next(iter(self._pins)))  # running work before kept histories
-            if need > self._available(matched):
-                raise NoBlocks(f"{need} blocks needed, {self._available(matched)} free")
             for block in matched:
                 self._hold(block)
-            fresh = [self._take_free() for _ in range(max(0, need))]
             self.lookups += len(keys)
             self.hits += len(matched) * self.block_size
-            return Lease(blocks=matched + fresh, shared=len(matched) * self.block_size,
+            return Lease(blocks=matched, shared=len(matched) * self.block_size,
                          hashes=hashes[:len(matched)])
 
-    def wait_acquire(self, keys: Sequence[RowKey], owner: int | None, rows: int,
-                     should_stop: Callable[[], bool] | None = None,
-                     poll_s: float = 0.05) -> Lease | None:
-        """``acquire``, waiting while others hold the blocks; None when ``should_stop``
-        fires first. A sequence larger than the whole pool raises NoBlocks."""
-        if self.blocks_for(rows) > self.num_blocks:
-            raise NoBlocks(f"{self.blocks_for(rows)} blocks needed, the pool has "
-                           f"{self.num_blocks}")
-        while True:
-            try:
-                return self.acquire(keys, owner, rows)
-            except NoBlocks:
-                if should_stop is not None and should_stop():
-                    return None
-                with self._lock:
-                    self._lock.wait(poll_s)
+    def grow(self, lease: Lease, keys: Sequence[RowKey], owner: int | None,
+             rows: int) -> bool:
+        """Give ``lease`` blocks for ``rows`` rows: first the published blocks that
+        continue its prefix along ``keys`` (a preempted sequence finds the rows it had
+        computed, unless they were evicted meanwhile; never the last row of ``keys``),
+        then fresh ones. False, and the lease unchanged, when they do not fit now; the
+        scheduler, the only caller while the daemon runs, retries at a later step."""
+        with self._lock:
+            if len(lease.hashes) == len(lease.blocks):  # a prefix only: it may extend
+                hashes = chain_hashes(keys, self.block_size, owner, after=lease.hashes)
+                more = self._matched(hashes[len(lease.blocks):])
+                while more and (len(lease.blocks) + len(more)) * self.block_size >= len(keys):
+                    more.pop()
+            else:
+                more = []
+            need = self.blocks_for(rows) - len(lease.blocks) - len(more)
+            while need > self._available(more) and self._pins:
+                self._unpin(next(iter(self._pins)))  # running work before kept histories
+            if need > self._available(more):
+                return False
+            for block in more:
+                self._hold(block)
+            if more:
+                lease.hashes = hashes[:len(lease.blocks) + len(more)]
+                lease.blocks += more
+                lease.shared = len(lease.blocks) * self.block_size
+            lease.blocks += [self._take_free() for _ in range(max(0, need))]
+            return True
+
+    def shrink(self, lease: Lease, rows: int) -> None:
+        """Give back the lease's blocks after its first ``rows`` rows (a whole number of
+        blocks: a preempted sequence keeps its shared prefix). Published blocks stay
+        cached, so that it finds them again when it resumes."""
+        keep = rows // self.block_size
+        with self._lock:
+            for block in reversed(lease.blocks[keep:]):
+                self._drop(block)
+            del lease.blocks[keep:]
+            del lease.hashes[keep:]
+            lease.shared = min(lease.shared, keep * self.block_size)
+
+    def fits(self, rows: int) -> bool:
+        """Whether ``rows`` rows fit the pool at all (when nothing else holds a block)."""
+        return self.blocks_for(rows) <= self.num_blocks
+
+    def available(self) -> int:
+        """Blocks a new lease could take now."""
+        with self._lock:
+            return self._available([])
 
     def _available(self, matched: list[int]) -> int:
         """Blocks a new lease may take (lock held): free ones, and cached ones except
@@ -156,7 +195,6 @@ class BlockPool:
     def unpin(self, name: Hashable) -> None:
         with self._lock:
             self._unpin(name)
-            self._lock.notify_all()
 
     def _pinned(self) -> int:
         return sum(len(blocks) for blocks in self._pins.values())
@@ -214,7 +252,6 @@ class BlockPool:
             for block in reversed(lease.blocks):  # the prefix's tail is evicted first
                 self._drop(block)
             lease.blocks = []
-            self._lock.notify_all()
 
     def clear(self) -> None:
         """Forget every cached prefix (held blocks stay with their sequences)."""
@@ -223,7 +260,6 @@ class BlockPool:
                 del self._by_hash[self._hash_of.pop(block)]
                 self._free.append(block)
             self._idle.clear()
-            self._lock.notify_all()
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,8 +15,8 @@ import numpy as np
 
 from qvld.config import Config
 from qvld.engine.backend import SlotPool, common_prefix, load_models, release_file_pages
-from qvld.engine.batch import BatchRunner, BatchSequence
-from qvld.engine.blocks import BlockPool, NoBlocks
+from qvld.engine.batch import BatchRunner, prefill_elsewhere
+from qvld.engine.blocks import BlockPool
 from qvld.engine.cache import ImageCache
 from qvld.engine.constraints import Constraint, GrammarCompiler
 from qvld.engine.generate import Decoding, Outcome, Prompt, never, run_generation
@@ -25,6 +26,7 @@ from qvld.engine.prompt import ChatTemplate, TextTokenizer
 from qvld.engine.prompts import HistoryLost, PromptBuilder, prompt_keys
 from qvld.engine.request import CheckedRequest, check, image_tokens, sampling
 from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
+from qvld.engine.sequence import Sequence
 from qvld.engine.sessions import Session, SessionStore, Turn, dropped, ids_through_stop
 from qvld.engine.types import (
     GenerateRequest,
@@ -35,7 +37,8 @@ from qvld.engine.types import (
     Usage,
 )
 from qvld.engine.vision import ImageEmbedding, encode_image
-from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
+from qvld.engine.workers import SlotWorkers, Work
+from qvld.errors import Busy, ModelInvalid, PromptTooLong
 
 log = logging.getLogger("qvld.engine")
 
@@ -68,6 +71,53 @@ class PreparedRequest:
     @property
     def max_total_tokens(self) -> int:
         return self.history_tokens + len(self.ids) + self.max_tokens
+
+
+@dataclass
+class TurnInputs:
+    """What one generation feeds: ids, images and where each starts (a session's
+    history included), the history's image embeddings kept for it, and whether its
+    session started afresh."""
+
+    ids: list[int]
+    images: list[PreparedImage]
+    starts: list[int]
+    pinned: dict[bytes, ImageEmbedding] | None = None
+    reset: bool = False
+
+
+# The prompt as fed, the outcome, and when vision and generation started.
+Ran = tuple[Prompt, Outcome, float, float]
+
+
+@dataclass(eq=False)
+class Generation:
+    """A request in the engine, from ``submit`` until its ``future`` is settled: waiting
+    for a slot worker, encoding, waiting for a place in the step loop, or running."""
+
+    uid: int
+    stop_when: Callable[[], bool] = never
+    future: Future[GenerateResult] = field(default_factory=Future)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued: float = field(default_factory=time.monotonic)
+    started: float | None = None  # on a slot (alone) or admitted to the step loop
+    work: Work | None = None
+    seq: Sequence | None = None
+    slot_wait_s: float = 0.0
+    t_start: float = 0.0
+    t_vision: float = 0.0
+    t_generate: float = 0.0
+
+    def should_stop(self) -> bool:
+        return self.cancelled.is_set() or self.stop_when()
+
+    @property
+    def stage(self) -> str:
+        if self.seq is not None and self.seq.admitted is not None:
+            return "running"
+        if self.started is not None:
+            return "running"
+        return "queued" if not self.t_start else "encoding"
 
 
 def warmup_image(size: int = 448) -> bytes:
@@ -103,8 +153,12 @@ class Engine:
         if self.models.paged:
             self.blocks = self._block_pool(config)
             paged = self.models.new_paged(self.blocks.num_blocks)
-            self.batch = BatchRunner(paged, self.blocks, config.engine.max_batch_tokens,
-                                     config.engine.prefill_chunk, runtime=self.models.runtime)
+            self.batch = BatchRunner(paged, self.blocks,
+                                     max_sequences=config.engine.max_sequences,
+                                     max_batch_tokens=config.engine.max_batch_tokens,
+                                     chunk=config.engine.prefill_chunk,
+                                     runtime=self.models.runtime)
+            self.batch.prefill_outside = self._prefill_outside
             if self.models.prompt is not None and not paged.rows_accessible:
                 log.warning("model.kv_cache_precision %s: prompts are prefilled by "
                             "OpenVINO (ONNX Runtime's rows go only into an f16 or f32 "
@@ -112,6 +166,10 @@ class Engine:
                             config.model.kv_cache_precision)
             budget = None
         self.pool = SlotPool(self.models, config.engine.infer_requests, budget_tokens=budget)
+        self.workers = SlotWorkers(config.engine.infer_requests)
+        self.queue_max = config.server.queue_max
+        self._lock = threading.Lock()
+        self._generations: set[Generation] = set()
         self._prefilling = threading.Lock()  # model.prompt_backend: one prefill at a time
         self.images = ImageCache(config.engine.image_cache_mb << 20)
         self.sessions = SessionStore(config.engine.sessions_max, config.engine.session_ttl_s,
@@ -126,21 +184,30 @@ class Engine:
                                         self.spec.vocab_size,
                                         self.spec.generation.eos_token_ids,
                                         cache_size=config.engine.grammar_cache_size)
+        if self.batch is not None:
+            self.batch.outside_runtime = self.prompt_runtime
         self.load_s = time.perf_counter() - t0
 
     def _block_pool(self, config: Config) -> BlockPool:
         """Blocks for the KV budget (engine.kv_cache_mb; what the scheduler admits by),
-        plus one per generation for its partly filled last block, and never more than
-        every generation at full context twice over (the rest a prefix cache). With
-        kv_cache_mb 0: every generation at full context, and no prefix cache."""
+        plus one per running generation for its partly filled last block, and never more
+        than every running generation (engine.max_sequences) at full context twice over
+        (the rest a prefix cache). With kv_cache_mb 0: every running generation at full
+        context, and no prefix cache."""
         engine = config.engine
         size = self.models.kv_block_size
         per_block = self.models.kv_bytes_per_token * size
-        full = engine.infer_requests * (-(-self.max_context // size) + 1)
+        full = engine.max_sequences * (-(-self.max_context // size) + 1)
         if not engine.kv_cache_mb:
             return BlockPool(full, size, retain=False)
         budget = engine.kv_admission_bytes or 0
-        return BlockPool(min(budget // per_block + engine.infer_requests, 2 * full), size)
+        return BlockPool(min(budget // per_block + engine.max_sequences, 2 * full), size)
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload that kept this engine (same model and engine keys): the bounds that
+        live outside ``engine``."""
+        self.config = config
+        self.queue_max = config.server.queue_max
 
     # -- requests -------------------------------------------------------------------
 
@@ -286,57 +353,197 @@ class Engine:
         """KV-cache memory ``tokens`` positions take at the runtime's KV precision."""
         return tokens * self.models.kv_bytes_per_token
 
+    # -- generations --------------------------------------------------------------
+
+    def submit(self, prepared: PreparedRequest, on_token: TokenCallback | None = None,
+               should_stop: Callable[[], bool] = never) -> Generation:
+        """Start a prepared request; its ``future`` gets the result (or the typed error).
+
+        Busy when ``server.queue_max`` generations wait already. ``should_stop`` is
+        polled between images, prefill chunks and decode steps; True ends the
+        generation as cancelled (so does ``cancel``)."""
+        gen = Generation(uid=prepared.uid, stop_when=should_stop)
+        # Waiting beyond the places free now (a place: in the step loop, or a slot).
+        running, waiting = self.counts()
+        places = (self.batch.scheduler.max_sequences if self.batch is not None
+                  else self.workers.workers)
+        if waiting - (places - running) >= self.queue_max:
+            raise Busy(f"the queue is full ({self.queue_max} waiting); retry shortly")
+        gen.work = Work(uid=prepared.uid, should_stop=gen.should_stop,
+                        run=lambda: self._start(gen, prepared, on_token),
+                        on_drop=lambda: self._settle(gen, self._cancelled(prepared, gen)))
+        with self._lock:
+            self._generations.add(gen)
+        self.workers.submit(gen.work)
+        return gen
+
+    def cancel(self, gen: Generation) -> None:
+        """End ``gen``: at once while it waits, at its next step while it runs."""
+        gen.cancelled.set()
+        if gen.work is not None and self.workers.remove(gen.work):
+            gen.work.on_drop()
+        elif gen.seq is not None and self.batch is not None:
+            self.batch.cancel(gen.seq)
+
+    def generations(self) -> list[Generation]:
+        with self._lock:
+            return list(self._generations)
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) generations: running ones have a place in the step loop
+        (continuous batching) or a slot; the others wait (for a slot worker to encode
+        their images, or for a place)."""
+        running = (self.batch.scheduler.counts()[0] if self.batch is not None
+                   else self.workers.running)
+        with self._lock:
+            total = len(self._generations)
+        return running, max(0, total - running)
+
+    def close(self) -> None:
+        """Start nothing more: waiting generations end cancelled."""
+        for work in self.workers.close():
+            work.on_drop()
+
     def run(self, prepared: PreparedRequest, on_token: TokenCallback | None = None,
             should_stop: Callable[[], bool] = never) -> GenerateResult:
-        """Inference for a prepared request on a free slot (blocks until one is free).
+        """``submit`` and wait for the result on this thread."""
+        return self.submit(prepared, on_token, should_stop).future.result()
 
-        ``should_stop`` is polled between images, prefill chunks and decode steps; True
-        ends the generation as cancelled."""
-        request = prepared.request
-        if request.session is None:
-            return self._run(prepared, prepared.ids, prepared.images, prepared.image_starts,
-                             on_token, should_stop)
-        turn = self.sessions.begin(prepared.uid, request.session, prepared.session,
-                                   prepared.session_version)
-        try:
-            return self._run_turn(prepared, turn, on_token, should_stop)
-        finally:
-            self.sessions.end(turn)
+    def generate(self, request: GenerateRequest, on_token: TokenCallback | None = None,
+                 uid: int = 0, should_stop: Callable[[], bool] = never) -> GenerateResult:
+        """``prepare`` then ``run``: one blocking generation, asked by ``uid``."""
+        return self.run(self.prepare(request, uid), on_token, should_stop)
 
-    def _run_turn(self, prepared: PreparedRequest, turn: Turn,
-                  on_token: TokenCallback | None,
-                  should_stop: Callable[[], bool]) -> GenerateResult:
-        """One session turn: continue the history, or start afresh when it is lost (gone
-        since the request was prepared, or no longer rebuildable exactly); commit it only
-        when generation ended normally, so the history is what the client saw."""
-        request, session = prepared.request, turn.session
-        assert request.session is not None
-        reset = prepared.session_reset
-        ids, images, starts = prepared.ids, prepared.images, prepared.image_starts
-        result = None
-        if not turn.new:
-            ids = session.ids + prepared.ids
-            images = prepared.history_images + prepared.images
-            starts = session.image_starts + [len(session.ids) + s for s in starts]
-            try:
-                result = self._run(prepared, ids, images, starts, on_token, should_stop,
-                                   prepared.pinned)
-            except HistoryLost:
-                result = None
-        if result is None:
-            if prepared.session is not None:  # prepared as a continuation of a lost history
-                reset = True
-                ids, images, starts = self.tokenize(request, prepared.uid)
-                self._check_context(0, len(ids))
-            result = self._run(prepared, ids, images, starts, on_token, should_stop)
-        if result.finish_reason == "cancelled":  # the client left or the deadline passed
-            turns = 0 if turn.new else session.turns
+    def _settle(self, gen: Generation, result: GenerateResult | None,
+                error: BaseException | None = None) -> None:
+        with self._lock:
+            self._generations.discard(gen)
+        if gen.future.done():
+            return
+        if error is not None:
+            gen.future.set_exception(error)
         else:
-            kept = self._kept_ids(result, request)
-            turns = self.sessions.commit(turn, ids + kept, images, starts, reset=reset)
-            self._pin_history(prepared.uid, request.session, ids + kept, images, starts)
-        result.session = SessionInfo(id=request.session, turns=turns, reset=reset)
-        return result
+            assert result is not None
+            gen.future.set_result(result)
+
+    def _start(self, gen: Generation, prepared: PreparedRequest,
+               on_token: TokenCallback | None) -> None:
+        """On a slot worker: a session turn begun, then the generation alone on the slot
+        or its sequence handed to the step loop. Reports through ``gen``."""
+        gen.t_start = time.perf_counter()
+        gen.slot_wait_s = time.monotonic() - gen.enqueued
+        request = prepared.request
+        turn: Turn | None = None
+        try:
+            if request.session is not None:
+                turn = self.sessions.begin(prepared.uid, request.session, prepared.session,
+                                           prepared.session_version)
+            inputs = self._turn_inputs(prepared, turn)
+            if self.batch is None:
+                gen.started = time.monotonic()
+                ran = self._run_alone(prepared, inputs, self._decoding(prepared, inputs,
+                                                                       on_token, gen))
+                if ran is None and not gen.should_stop():  # its history could not be rebuilt
+                    inputs = self._fresh_inputs(prepared)
+                    ran = self._run_alone(prepared, inputs, self._decoding(prepared, inputs,
+                                                                           on_token, gen))
+                self._finish(gen, prepared, turn, inputs, ran)
+                return
+            seq = self._sequence(gen, prepared, inputs,
+                                 self._decoding(prepared, inputs, on_token, gen))
+            if seq is None and not gen.should_stop():  # its history could not be rebuilt
+                inputs = self._fresh_inputs(prepared)
+                seq = self._sequence(gen, prepared, inputs,
+                                     self._decoding(prepared, inputs, on_token, gen))
+            if seq is None:
+                self._finish(gen, prepared, turn, inputs, None)
+                return
+            done_inputs = inputs
+
+            def done(seq: Sequence) -> None:
+                gen.started = seq.admitted
+                if seq.error is not None:
+                    self._fail(gen, turn, seq.error)
+                    return
+                assert seq.outcome is not None
+                self._finish(gen, prepared, turn, done_inputs,
+                             (seq.prompt, seq.outcome, gen.t_vision, gen.t_generate))
+
+            seq.on_done = done
+            gen.seq = seq
+            try:
+                self.batch.submit(seq)
+            except BaseException:
+                self.batch.pool.release(seq.lease)
+                raise
+        except BaseException as exc:
+            self._fail(gen, turn, exc)
+
+    def _fail(self, gen: Generation, turn: Turn | None, error: BaseException) -> None:
+        if turn is not None:
+            self.sessions.end(turn)
+        self._settle(gen, None, error)
+
+    def _turn_inputs(self, prepared: PreparedRequest, turn: Turn | None) -> TurnInputs:
+        """What the generation feeds: the prepared ids, after the session's history when
+        it continues one (``_fresh_inputs`` when that history cannot be rebuilt)."""
+        inputs = TurnInputs(prepared.ids, prepared.images, prepared.image_starts,
+                            reset=prepared.session_reset)
+        if turn is None:
+            return inputs
+        if turn.new:
+            if prepared.session is not None:  # prepared as a continuation of a lost one
+                return self._fresh_inputs(prepared)
+            return inputs
+        session = turn.session
+        return TurnInputs(session.ids + prepared.ids,
+                          prepared.history_images + prepared.images,
+                          session.image_starts + [len(session.ids) + s
+                                                  for s in prepared.image_starts],
+                          pinned=prepared.pinned, reset=prepared.session_reset)
+
+    def _fresh_inputs(self, prepared: PreparedRequest) -> TurnInputs:
+        """The request alone, its session started afresh (its history is lost)."""
+        ids, images, starts = self.tokenize(prepared.request, prepared.uid)
+        self._check_context(0, len(ids))
+        return TurnInputs(ids, images, starts, reset=prepared.request.session is not None)
+
+    def _decoding(self, prepared: PreparedRequest, inputs: TurnInputs,
+                  on_token: TokenCallback | None, gen: Generation) -> Decoding:
+        request = prepared.request
+        return Decoding(
+            self.tokenizer, Sampler(prepared.params, inputs.ids, self.spec.vocab_size),
+            prompt_len=len(inputs.ids), max_tokens=prepared.max_tokens,
+            max_context=self.max_context,
+            eos_ids=() if request.ignore_eos else self.spec.generation.eos_token_ids,
+            stops=StopStrings(request.stop), on_token=on_token,
+            should_stop=gen.should_stop, constraint=prepared.constraint)
+
+    def _finish(self, gen: Generation, prepared: PreparedRequest, turn: Turn | None,
+                inputs: TurnInputs, ran: Ran | None) -> None:
+        """The result, and the session turn committed when the generation ended normally
+        (so the history is what the client saw)."""
+        try:
+            result = (self._cancelled(prepared, gen) if ran is None
+                      else self._result(prepared, gen, ran))
+            request = prepared.request
+            if turn is not None and request.session is not None:
+                if result.finish_reason == "cancelled":  # the client left or timed out
+                    turns = 0 if turn.new else turn.session.turns
+                else:
+                    ids = inputs.ids + self._kept_ids(result, request)
+                    turns = self.sessions.commit(turn, ids, inputs.images, inputs.starts,
+                                                 reset=inputs.reset)
+                    self._pin_history(prepared.uid, request.session, ids, inputs.images,
+                                      inputs.starts)
+                result.session = SessionInfo(id=request.session, turns=turns,
+                                             reset=inputs.reset)
+        except BaseException as exc:
+            self._fail(gen, turn, exc)
+            return
+        if turn is not None:
+            self.sessions.end(turn)
+        self._settle(gen, result)
 
     def _pin_history(self, uid: int, sid: str, ids: list[int], images: list[PreparedImage],
                      starts: list[int]) -> None:
@@ -362,24 +569,13 @@ class Engine:
             return ids
         return ids_through_stop(self.tokenizer, ids, result.text, request.stop)
 
-    def _run(self, prepared: PreparedRequest, ids: list[int], images: list[PreparedImage],
-             starts: list[int], on_token: TokenCallback | None,
-             should_stop: Callable[[], bool],
-             pinned: dict[bytes, ImageEmbedding] | None = None) -> GenerateResult:
-        t0 = time.perf_counter()
-        request = prepared.request
-        decoding = Decoding(
-            self.tokenizer, Sampler(prepared.params, ids, self.spec.vocab_size),
-            prompt_len=len(ids), max_tokens=prepared.max_tokens, max_context=self.max_context,
-            eos_ids=() if request.ignore_eos else self.spec.generation.eos_token_ids,
-            stops=StopStrings(request.stop), on_token=on_token, should_stop=should_stop,
-            constraint=prepared.constraint)
-        run = self._run_batched if self.batch is not None else self._run_alone
-        ran = run(prepared, ids, images, starts, decoding, pinned)
-        if ran is None:
-            return self._cancelled(prepared, t0, prepared.prepare_s + time.perf_counter() - t0)
+    def _result(self, prepared: PreparedRequest, gen: Generation, ran: Ran) -> GenerateResult:
         prompt, outcome, t_vision, t_generate = ran
-        image_s = prepared.prepare_s + t_generate - t_vision
+        admit_wait = 0.0
+        if gen.seq is not None and gen.seq.admitted is not None:
+            admit_wait = max(0.0, gen.seq.admitted - gen.seq.submitted)
+        queue_s = gen.slot_wait_s + admit_wait
+        waited = prepared.prepare_s + gen.slot_wait_s  # before the slot took it
         constraint = prepared.constraint
         return GenerateResult(
             text=outcome.text,
@@ -392,11 +588,12 @@ class Engine:
                 cached_tokens=outcome.cached_tokens,
             ),
             timings=Timings(
-                image_s=image_s,
+                image_s=prepared.prepare_s + t_generate - t_vision,
+                queue_s=round(queue_s, 6),
                 prefill_s=outcome.prefill_s,
-                ttft_s=prepared.prepare_s + (t_generate - t0) + outcome.ttft_s,
+                ttft_s=waited + (t_generate - gen.t_start) + outcome.ttft_s,
                 decode_s=outcome.decode_s,
-                total_s=prepared.prepare_s + time.perf_counter() - t0,
+                total_s=waited + time.perf_counter() - gen.t_start,
             ),
             token_gaps=outcome.token_gaps,
             image_cache_hits=prompt.image_cache_hits,
@@ -406,11 +603,11 @@ class Engine:
             mask_s=[] if constraint is None else constraint.mask_s,
         )
 
-    def _run_alone(self, prepared: PreparedRequest, ids: list[int],
-                   images: list[PreparedImage], starts: list[int], decoding: Decoding,
-                   pinned: dict[bytes, ImageEmbedding] | None
-                   ) -> tuple[Prompt, Outcome, float, float] | None:
-        """On a slot of its own: prompt, outcome, when vision and generation started."""
+    def _run_alone(self, prepared: PreparedRequest, inputs: TurnInputs, decoding: Decoding
+                   ) -> Ran | None:
+        """On a slot of its own: prompt, outcome, when vision and generation started;
+        None when stopped, or when a session history could not be rebuilt."""
+        ids, images, starts = inputs.ids, inputs.images, inputs.starts
         keys = prompt_keys(ids, images, starts)
         owner = self.cache_owner(prepared.uid)
         with self.pool.acquire(keys, owner) as slot:
@@ -419,8 +616,12 @@ class Engine:
             cached = min(common_prefix(slot.history, keys), len(ids) - 1)
             slot.trim(cached)
             t_vision = time.perf_counter()
-            prompt = self.prompts.assemble(slot, ids, images, starts, decoding.should_stop,
-                                           cached, owner, pinned)
+            try:
+                prompt = self.prompts.assemble(slot, ids, images, starts,
+                                               decoding.should_stop, cached, owner,
+                                               inputs.pinned)
+            except HistoryLost:
+                return None
             if prompt is None:
                 return None
             t_generate = time.perf_counter()
@@ -428,29 +629,26 @@ class Engine:
                                      chunk=self.config.engine.prefill_chunk, cached=cached)
         return prompt, outcome, t_vision, t_generate
 
-    def _run_batched(self, prepared: PreparedRequest, ids: list[int],
-                     images: list[PreparedImage], starts: list[int], decoding: Decoding,
-                     pinned: dict[bytes, ImageEmbedding] | None
-                     ) -> tuple[Prompt, Outcome, float, float] | None:
-        """In the batch runner: blocks leased (a cached prefix reused), images encoded
-        and the prompt embedded on this thread's slot, then stepped with the others."""
+    def _sequence(self, gen: Generation, prepared: PreparedRequest, inputs: TurnInputs,
+                  decoding: Decoding) -> Sequence | None:
+        """For the step loop: the cached prefix's blocks held, images encoded and the
+        prompt embedded on this worker's slot. None when stopped, or when a session
+        history could not be rebuilt."""
         assert self.batch is not None and self.blocks is not None
+        ids, images, starts = inputs.ids, inputs.images, inputs.starts
         keys = prompt_keys(ids, images, starts)
         owner = self.cache_owner(prepared.uid)
-        rows = min(len(ids) + prepared.max_tokens, self.max_context)
-        try:
-            lease = self.blocks.wait_acquire(keys, owner, rows, decoding.should_stop)
-        except NoBlocks as exc:  # larger than the whole cache: no wait can help
-            raise BadRequest(f"this request needs more KV cache than engine.kv_cache_mb "
-                             f"holds ({exc}); ask for fewer tokens") from None
-        if lease is None:
-            return None
+        lease = self.blocks.hold_prefix(keys, owner)
         try:
             cached = lease.shared
             with self.pool.acquire() as slot:
                 t_vision = time.perf_counter()
-                prompt = self.prompts.assemble(slot, ids, images, starts,
-                                               decoding.should_stop, cached, owner, pinned)
+                try:
+                    prompt = self.prompts.assemble(slot, ids, images, starts,
+                                                   decoding.should_stop, cached, owner,
+                                                   inputs.pinned)
+                except HistoryLost:
+                    prompt = None
                 if prompt is None:
                     self.blocks.release(lease)
                     return None
@@ -460,38 +658,48 @@ class Engine:
                     rows_of = np.cumsum(prompt.visual_mask)[cached:][visual] - 1
                     embeds[visual] = prompt.visual_embeds[rows_of]
                 if decoding.constraint is not None:
-                    # Compiled by now (beside the images and embedding): the batch loop
-                    # never waits for one sequence's grammar.
+                    # Compiled by now (the handlers wait for it before submitting): the
+                    # step loop never waits for one sequence's grammar.
                     decoding.constraint.wait()
-                t_generate = time.perf_counter()
-                seq = BatchSequence(prompt=prompt, embeds=embeds, lease=lease, owner=owner,
-                                    decoding=decoding, uid=prepared.uid)
-                if slot.prompt_slot is not None and self.batch.model.rows_accessible:
-                    # Prefilled here, one prompt at a time (each runs on every core),
-                    # beside the steps of those already decoding.
-                    with self._prefilling:
-                        fed = self.batch.prefill_outside(slot.prompt_slot, seq,
-                                                         self.prompt_runtime)
-                    if not fed:
-                        self.blocks.release(lease)
-                        return None
+                outside = slot.prompt_slot is not None and self.batch.model.rows_accessible
         except BaseException:
             self.blocks.release(lease)
             raise
-        return prompt, self.batch.run(seq), t_vision, t_generate
+        seq = Sequence(prompt=prompt, embeds=embeds, lease=lease, owner=owner,
+                       decoding=decoding, uid=prepared.uid,
+                       max_rows=min(len(ids) + prepared.max_tokens, self.max_context),
+                       prefill_outside=outside)
+        gen.t_vision, gen.t_generate = t_vision, seq.t0
+        return seq
 
-    def _cancelled(self, prepared: PreparedRequest, t0: float, image_s: float) -> GenerateResult:
-        total = prepared.prepare_s + time.perf_counter() - t0
+    def _prefill_outside(self, seq: Sequence) -> None:
+        """The step loop admitted ``seq``, to be prefilled by the prompt runtime (one at
+        a time: each runs on every core) beside the steps; queued for a slot worker."""
+        assert self.batch is not None
+        batch = self.batch
+
+        def run() -> None:
+            fed, error = False, None
+            try:
+                with self._prefilling, self.pool.acquire() as slot:
+                    assert slot.prompt_slot is not None
+                    fed = prefill_elsewhere(slot.prompt_slot, batch.model, seq, batch.chunk)
+            except Exception as exc:
+                error = exc
+            batch.joined(seq, fed, self.prompt_runtime, error)
+
+        self.workers.submit(Work(uid=seq.uid, run=run, should_stop=never,
+                                 on_drop=lambda: batch.joined(seq, False,
+                                                              self.prompt_runtime)))
+
+    def _cancelled(self, prepared: PreparedRequest, gen: Generation) -> GenerateResult:
+        waited = time.monotonic() - gen.enqueued
         return GenerateResult(
             text="", token_ids=[], finish_reason="cancelled",
             usage=Usage(prompt_tokens=len(prepared.ids),
                         image_tokens=sum(i.tokens for i in prepared.images)),
-            timings=Timings(image_s=image_s, total_s=total))
-
-    def generate(self, request: GenerateRequest, on_token: TokenCallback | None = None,
-                 uid: int = 0, should_stop: Callable[[], bool] = never) -> GenerateResult:
-        """``prepare`` then ``run``: one blocking generation, asked by ``uid``."""
-        return self.run(self.prepare(request, uid), on_token, should_stop)
+            timings=Timings(image_s=prepared.prepare_s,
+                            total_s=prepared.prepare_s + waited))
 
     def warmup(self) -> None:
         """One short generation about an image, so that every submodel has run the shapes

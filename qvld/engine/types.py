@@ -91,3 +91,9 @@ class GenerateResult:
 # on_token(text_delta, new_token_ids): called as text becomes final (never mid-character,
 # never a possible stop-string prefix).
 TokenCallback = Callable[[str, list[int]], None]
+
+
+def cancelled_result() -> GenerateResult:
+    """The reply to a generation that ended before it produced anything."""
+    return GenerateResult(text="", token_ids=[], finish_reason="cancelled", usage=Usage(),
+                          timings=Timings())

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from qvld.engine.blocks import BlockPool, NoBlocks, chain_hashes
@@ -59,21 +57,41 @@ def test_released_blocks_stay_cached_until_needed_least_recently_used_first() ->
     assert pool.acquire(a, 1, rows=3).shared == 0  # evicted
 
 
-def test_not_enough_blocks_waits_and_can_be_stopped() -> None:
+def test_blocks_that_do_not_fit_leave_the_lease_as_it_was() -> None:
     pool = BlockPool(4, 2, retain=False)
     lease = pool.acquire(keys(1), 1, rows=8)
     with pytest.raises(NoBlocks):
         pool.acquire(keys(2), 1, rows=2)
-    with pytest.raises(NoBlocks):
-        pool.wait_acquire(keys(2), 1, rows=10)  # more than the whole pool: never fits
-    assert pool.wait_acquire(keys(2), 1, rows=2, should_stop=lambda: True) is None
-    got: list[object] = []
-    waiter = threading.Thread(target=lambda: got.append(pool.wait_acquire(keys(2), 1, 2)))
-    waiter.start()
+    assert not pool.fits(10) and pool.fits(8)  # more than the whole pool: never fits
+    waiting = pool.hold_prefix(keys(2), 1)
+    assert waiting.blocks == [] and not pool.grow(waiting, keys(2), 1, rows=2)
+    assert waiting.blocks == [] and pool.available() == 0
     pool.release(lease)
-    waiter.join(10)
-    assert got and got[0] is not None
+    assert pool.grow(waiting, keys(2), 1, rows=2) and len(waiting.blocks) == 1
     assert pool.stats()["cached"] == 0  # retain=False: nothing kept
+
+
+def test_a_shrunk_lease_keeps_its_prefix_and_finds_its_published_rows_again() -> None:
+    """Preemption by recompute: the blocks after the shared prefix go back, the full
+    ones stay cached, and growing again reuses them (never the last row of the keys)."""
+    pool = BlockPool(8, 2)
+    prompt = keys(*range(6))
+    first = pool.acquire(prompt, 1, rows=6)
+    pool.publish(first, prompt, 1, rows=6)
+    pool.release(first)
+    lease = pool.hold_prefix(prompt + keys(7, 8, 9), 1)  # three cached blocks
+    assert lease.shared == 6
+    held = prompt + keys(7, 8, 9, 10)
+    assert pool.grow(lease, held, 1, rows=12) and len(lease.blocks) == 6
+    pool.publish(lease, held, 1, rows=10)  # five full blocks now
+    pool.shrink(lease, 6)
+    assert len(lease.blocks) == 3 and lease.shared == 6
+    assert pool.stats()["cached"] == 2  # blocks 4 and 5: published, given back
+    assert pool.grow(lease, held, 1, rows=12)
+    assert lease.shared == 8  # block 4 found again; block 5 holds the last row
+    assert len(lease.blocks) == 6 and pool.stats()["held"] == 6
+    pool.release(lease)
+    assert pool.stats()["held"] == 0
 
 
 def test_usage_ratio_counts_held_blocks_only() -> None:

@@ -1,6 +1,8 @@
-"""Grammar compiles shared fairly between users, against the real daemon: two API-key
-users over HTTP; one sends many distinct large schemas at once, the other's cached and
-new small formats are answered as if it were alone. Figures are printed (-s)."""
+"""Fair between users at every step, against the real daemon: two API-key users over
+HTTP. One runs 24 generations of 512 tokens, more than the step loop's places, and the
+other's short request is answered within a second, not after them; one sends many
+distinct large schemas at once, and the other's cached and new small formats are
+answered as if it were alone. Figures are printed (-s)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,23 @@ def ask(daemon: HttpDaemon, key: str, response_format: dict[str, Any],
         conn.close()
 
 
+def generate(daemon: HttpDaemon, key: str, max_tokens: int) -> tuple[float, dict[str, object]]:
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me a story."}],
+                       "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=300)
+    t0 = time.monotonic()
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {
+            "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        response = conn.getresponse()
+        reply = json.loads(response.read())
+        assert response.status == 200, reply
+        return time.monotonic() - t0, reply
+    finally:
+        conn.close()
+
+
 def schema(name: str, properties: int) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": {
         "type": "object",
@@ -84,3 +103,35 @@ def test_another_users_schemas_do_not_hold_up_mine(daemon: HttpDaemon) -> None:
     assert fresh[0] == 200, fresh[2]
     assert cached_s <= 1.0
     assert fresh[1] <= 3.0
+
+
+def queue(daemon: HttpDaemon) -> dict[str, int]:
+    with daemon.client(timeout=10) as client:
+        return client.status()["queue"]  # type: ignore[no-any-return]
+
+
+def test_a_short_request_beside_another_users_long_ones(daemon: HttpDaemon) -> None:
+    alone = statistics.median(generate(daemon, BOB, 16)[0] for _ in range(3))
+    with daemon.client() as client:
+        places = client.config()["engine"]["max_sequences"]
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        flood = [pool.submit(generate, daemon, ALICE, 512) for _ in range(24)]
+        wait_for(lambda: queue(daemon)["running"] == places, 60,
+                 "alice's generations to take every place")
+        beside = []
+        for _ in range(3):
+            seconds, reply = generate(daemon, BOB, 16)
+            beside.append(seconds)
+            assert reply["usage"]["completion_tokens"] == 16  # type: ignore[index]
+        still_running = sum(not f.done() for f in flood)
+        status = queue(daemon)
+        alice = [f.result() for f in flood]
+    median = statistics.median(beside)
+    print(f"bob's 16-token request beside alice's 24 x 512 tokens: {median:.2f} s (median "
+          f"of 3: {', '.join(f'{s:.2f}' for s in beside)}); alone {alone:.2f} s; "
+          f"alice's took {min(s for s, _ in alice):.1f}-{max(s for s, _ in alice):.1f} s; "
+          f"{status['preemptions']} preemptions")
+    assert still_running >= places  # bob did not wait for alice's to finish
+    assert median <= 1.0
+    assert status["preemptions"] >= 3  # each of bob's took a place from alice
+    assert all(r["usage"]["completion_tokens"] == 512 for _, r in alice)  # type: ignore[index]

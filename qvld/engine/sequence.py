@@ -1,0 +1,106 @@
+"""One generation as the step loop sees it: data, owned by no thread.
+
+A ``Sequence`` is made once its prompt is embedded (images encoded, prompt rows looked
+up), holding the KV blocks of its cached prefix (``Lease``). The scheduler
+(``scheduler.StepScheduler``) admits it, gives it blocks, plans its rows each step and
+may preempt it; the step loop (``batch.BatchRunner``) feeds its rows and samples its
+tokens through its ``Decoding``; when it ends, ``on_done`` is called once, on the step
+thread, with ``outcome`` or ``error`` set.
+
+Rows: ``keys`` names every row that is or will be in the KV cache (the prompt's, then
+each generated token once it has been fed); ``fed`` of them are. A sequence is
+*prefilling* while ``fed < len(keys)``: its prompt at first, and after a preemption the
+rows it must compute again (generated tokens included) before it decodes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qvld.engine.blocks import Lease, RowKey
+from qvld.engine.generate import Decoding, Outcome, Prompt
+
+
+@dataclass(eq=False)  # an identity: kept in lists and queues, compared by who it is
+class Sequence:
+    prompt: Prompt
+    embeds: np.ndarray  # [len(ids) - cached, H]: the prompt rows after the cached prefix
+    lease: Lease
+    owner: int | None  # whose published blocks it may reuse (None: everyone's)
+    decoding: Decoding
+    uid: int = 0  # who asked: fairness is between uids, status shows a user their own
+    max_rows: int = 0  # rows it may take in all (prompt + max_tokens, within the context)
+    on_done: Callable[[Sequence], None] | None = None
+    # Prefilled by another runtime (model.prompt_backend) once admitted.
+    prefill_outside: bool = False
+    outside: bool = False  # that prefill is running: not in the step's plan
+    fed: int = 0
+    keys: list[RowKey] = field(default_factory=list)
+    token: int | None = None  # sampled, not yet fed
+    t0: float = field(default_factory=time.perf_counter)
+    t_prefill: float = 0.0
+    submitted: float = field(default_factory=time.monotonic)
+    admitted: float | None = None  # first admitted to the running set
+    preemptions: int = 0
+    outcome: Outcome | None = None
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        # Rows of the prefix found cached: ``embeds`` starts after those held when it
+        # was made; ``cached`` grows to what admission found (reported as reused).
+        self.embeds_from = self.cached = self.fed = self.lease.shared
+        self.keys = list(self.prompt.keys)
+        self.max_rows = self.max_rows or len(self.keys) + 1
+        self._vis_index = np.cumsum(self.prompt.visual_mask) - 1
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.keys)
+
+    @property
+    def generated(self) -> int:
+        return len(self.decoding.text.ids)
+
+    def rows(self, n: int, embed: Callable[[np.ndarray], np.ndarray]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The next ``n`` rows to feed: embeddings, positions [3,n], visual mask,
+        deepstack (None without visual rows). Prompt rows come from the prompt; rows of
+        generated tokens (recomputed after a preemption) are embedded by ``embed``."""
+        lo, hi = self.fed, self.fed + n
+        prompt_len = len(self.prompt.ids)
+        embeds, positions, masks = [], [], []
+        deepstack = None
+        if lo < prompt_len:
+            top = min(hi, prompt_len)
+            mask = self.prompt.visual_mask[lo:top]
+            if mask.any():
+                deepstack = self.prompt.deepstack[:, self._vis_index[lo:top][mask]]
+            embeds.append(self.embeds[lo - self.embeds_from:top - self.embeds_from])
+            positions.append(self.prompt.positions[:, lo:top])
+            masks.append(mask)
+        if hi > prompt_len:
+            start = max(lo, prompt_len)
+            ids = np.array([token for token, _ in self.keys[start:hi]], dtype=np.int64)
+            embeds.append(embed(ids))
+            at = np.arange(start, hi, dtype=np.int64) + self.prompt.rope_delta
+            positions.append(np.broadcast_to(at, (3, hi - start)))
+            masks.append(np.zeros(hi - start, dtype=bool))
+        if len(embeds) == 1:
+            return embeds[0], positions[0], masks[0], deepstack
+        return (np.concatenate(embeds), np.concatenate(positions, axis=1),
+                np.concatenate(masks), deepstack)
+
+    def preempted(self) -> None:
+        """Back to waiting: the token sampled but not fed becomes a row to compute again
+        (its logits then choose the next token, as its decode step would have), and
+        every row after the shared prefix will be fed again (``fed`` is set on
+        readmission, from the blocks found still cached)."""
+        if self.token is not None:
+            self.keys.append((self.token, None))
+            self.token = None
+        self.fed = self.cached
+        self.preemptions += 1
