@@ -1,4 +1,26 @@
-"""The engine facade: build from config, then ``generate(request, on_token) -> result``."""
+"""The engine facade: build from config, ``prepare`` a request, ``submit`` it, await its
+``Generation.future`` (or ``generate``: both, blocking).
+
+Who owns what, in the order a request meets them:
+
+- ``prepare`` (the daemon's prepare stage threads): validation, chat template,
+  tokens, decoded images (``prompts.PromptBuilder``, ``image``); a response format's
+  compile started (``constraints.GrammarCompiler``, its own fair threads).
+- ``submit``: bounds the waiting generations (``server.queue_max`` beyond the free
+  places) and hands the work to a slot worker (``workers.SlotWorkers``, one thread per
+  ``engine.infer_requests`` slot, fair between uids).
+- On the slot worker (``_start``): a session turn begun (``sessions.SessionStore``;
+  its history joined, or started afresh when it cannot be rebuilt), then either the
+  whole generation on the slot (``_run_alone``: no continuous batching) or the prompt's
+  cached prefix held, its images encoded and rows embedded (``_sequence``), and the
+  ``sequence.Sequence`` handed to the step loop.
+- The step loop (``batch.BatchRunner``, one thread) asks the step scheduler
+  (``scheduler.StepScheduler``: waiting, running, KV blocks, rows per step, fairness and
+  preemption) who runs, feeds the rows, samples (``generate.Decoding``) and calls the
+  sequence's ``on_done``.
+- ``_finish``: the result, the session turn committed (and its blocks pinned), the
+  future settled.
+"""
 
 from __future__ import annotations
 
@@ -38,7 +60,7 @@ from qvld.engine.types import (
 )
 from qvld.engine.vision import ImageEmbedding, encode_image
 from qvld.engine.workers import SlotWorkers, Work
-from qvld.errors import Busy, ModelInvalid, PromptTooLong
+from qvld.errors import Busy, ModelInvalid, PromptTooLong, Unavailable
 
 log = logging.getLogger("qvld.engine")
 
@@ -688,9 +710,12 @@ class Engine:
                 error = exc
             batch.joined(seq, fed, self.prompt_runtime, error)
 
-        self.workers.submit(Work(uid=seq.uid, run=run, should_stop=never,
-                                 on_drop=lambda: batch.joined(seq, False,
-                                                              self.prompt_runtime)))
+        try:
+            self.workers.submit(Work(uid=seq.uid, run=run, should_stop=never,
+                                     on_drop=lambda: batch.joined(seq, False,
+                                                                  self.prompt_runtime)))
+        except Unavailable as exc:  # shutting down: this one ends, the steps go on
+            batch.joined(seq, False, self.prompt_runtime, exc)
 
     def _cancelled(self, prepared: PreparedRequest, gen: Generation) -> GenerateResult:
         waited = time.monotonic() - gen.enqueued
