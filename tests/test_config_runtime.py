@@ -109,7 +109,7 @@ def test_more_than_one_stream_is_refused_with_the_remedy() -> None:
     for value in ("2", "0", "8"):
         text = refused(f"engine.streams={value}")
         assert text.startswith("engine.streams: must be 1")
-        assert "remedy: remove engine.streams" in text and "engine.infer_requests" in text
+        assert "remedy: remove engine.streams" in text and "engine.max_sequences" in text
 
 
 def qvld(*args: str) -> subprocess.CompletedProcess[str]:
