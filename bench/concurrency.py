@@ -4,6 +4,11 @@ checkpoint, in one run.
 
     python bench/concurrency.py MODELS [--clients 1,2,4,8] [--tokens 256] [--size 448]
                                 [--systems qvld,qvld-alone,llama-server] [--json OUT]
+                                [--before TREE]  # adds the system qvld@before
+
+``--before TREE`` runs TREE's qvld (a git worktree of an earlier commit, e.g. `git
+worktree add /tmp/before d5069b8`) as the system ``qvld@before``, interleaved with the
+others: the same figures for the engine before a change.
 
 MODELS is the directory `make bench` fills (~/.cache/qvld-bench): qwen3-vl-2b-int8 (the
 optimum-cli export) for qvld, gguf/model-Q8_0.gguf + mmproj-f16.gguf and llama.cpp's
@@ -138,15 +143,18 @@ def late_arrival(ask: Ask, images: list[bytes], late: bytes, tokens: int) -> flo
 # -- qvld --------------------------------------------------------------------------------
 
 @contextmanager
-def qvld(model: Path, batching: bool, clients: int, cache: Path) -> Iterator[Ask]:
+def qvld(model: Path, batching: bool, clients: int, cache: Path,
+         source: Path | None = None) -> Iterator[Ask]:
     from qvlctl.client import Client
 
     workdir = Path(tempfile.mkdtemp(prefix="qvld-conc-"))
     sock = workdir / "qvld.sock"
-    proc, _ = _start_daemon(model, workdir, cache, (
-        "--set", f"engine.infer_requests={clients + 1}",  # room for a late arrival
-        "--set", f"engine.continuous_batching={'true' if batching else 'false'}",
-        "--set", "server.queue_max=64"))
+    extra = ["--set", f"engine.infer_requests={clients + 1}",  # room for a late arrival
+             "--set", f"engine.continuous_batching={'true' if batching else 'false'}",
+             "--set", "server.queue_max=64"]
+    if source is None:  # running generations: its own key since the step scheduler
+        extra += ["--set", f"engine.max_sequences={max(8, clients + 1)}"]
+    proc, _ = _start_daemon(model, workdir, cache, tuple(extra), source=source)
     try:
         def ask(image: bytes, question: str, tokens: int,
                 first: threading.Event | None = None) -> Stream:
@@ -259,9 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="client counts qvld-alone (one generation per infer request, "
                         "the engine before continuous batching) runs at; its extras skipped")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--before", type=Path,
+                        help="another checkout whose qvld runs as the system qvld@before")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.clients.split(",")]
     systems = args.systems.split(",")
+    if args.before is not None and "qvld@before" not in systems:
+        systems.insert(1, "qvld@before")
     model = args.models / "qwen3-vl-2b-int8"
     cache = Path(tempfile.mkdtemp(prefix="qvld-conc-cache-"))
     seed = 0
@@ -270,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     def start(system: str, n: int) -> Any:
         if system == "llama-server":
             return llama_server(args.models, n)
+        if system == "qvld@before":
+            return qvld(model, True, n, cache, source=args.before)
         return qvld(model, system == "qvld", n, cache)
 
     alone_counts = {int(n) for n in args.alone_clients.split(",")}

@@ -100,9 +100,12 @@ def run_qvld(model: Path, size: int, tokens: int, seed: int, *, backend: str = "
 # -- qvld: the daemon, asked through qvlctl's client ------------------------------------
 
 def _start_daemon(model: Path, workdir: Path, cache: Path, extra: tuple[str, ...] = (),
-                  prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], float]:
+                  prefix: tuple[str, ...] = (), source: Path | None = None
+                  ) -> tuple[subprocess.Popen[bytes], float]:
     """Start qvld (``extra``: more arguments, such as --set; ``prefix``: a command it
-    runs under, such as taskset); return it and the seconds until health says ready."""
+    runs under, such as taskset; ``source``: another checkout whose qvld runs, such as
+    a git worktree of an earlier commit); return it and the seconds until health says
+    ready."""
     from qvlctl.client import Client
 
     sock = workdir / "qvld.sock"
@@ -111,7 +114,10 @@ def _start_daemon(model: Path, workdir: Path, cache: Path, extra: tuple[str, ...
             "--model", str(model), "--socket", str(sock), "--set", f"model.cache_dir={cache}",
             "--set", "metrics.listen=", "--set", "tuning.apply=false", *extra]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
+    # ``python -m`` puts the working directory first on the path: run in the source's.
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env, cwd=source)
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"qvld exited {proc.returncode}")

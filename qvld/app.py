@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from qvld import __version__, protocol, tuning
 from qvld.config import Config, iter_keys, load_config
 from qvld.engine import Engine
-from qvld.engine.engine import Generation
+from qvld.engine.runners import Generation
 from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
 from qvld.http.server import HttpFront, HttpSetupError, load_http

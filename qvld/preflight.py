@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from qvld.config import Config
-from qvld.engine.model_cache import unsafe_dir
+from qvld.engine.compiled_cache import unsafe_dir
 from qvld.system import System, choose_node
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
@@ -300,7 +300,7 @@ def check_cache_dir(system: System, config: Config) -> Check:
                        "CacheDirectory=qvld in the unit")
     problem = unsafe_dir(config.model.cache_dir) if check.status == OK and \
         config.model.cache_dir.is_dir() else None
-    if problem is not None:  # the engine will not use it (see qvld/engine/model_cache.py)
+    if problem is not None:  # the engine will not use it (see qvld/engine/compiled_cache.py)
         return Check("cache_dir", WARN, f"{problem[0]}: compiled models would not be cached",
                      why + "; a cache others can write could replace what the daemon runs",
                      problem[1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from qvld.app import App
 from qvld.config import Config
-from qvld.engine.engine import Generation
+from qvld.engine.runners import Generation
 
 ALICE, BOB = 1000, 1001
 

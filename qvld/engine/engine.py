@@ -10,10 +10,10 @@ Who owns what, in the order a request meets them:
   places) and hands the work to a slot worker (``workers.SlotWorkers``, one thread per
   ``engine.infer_requests`` slot, fair between uids).
 - On the slot worker (``_start``): a session turn begun (``sessions.SessionStore``;
-  its history joined, or started afresh when it cannot be rebuilt), then either the
-  whole generation on the slot (``_run_alone``: no continuous batching) or the prompt's
-  cached prefix held, its images encoded and rows embedded (``_sequence``), and the
-  ``sequence.Sequence`` handed to the step loop.
+  its history joined, or started afresh when it cannot be rebuilt), then the runner
+  (``runners``): the whole generation on the slot (``SlotRunner``: no continuous
+  batching), or the prompt's cached prefix held, its images encoded and rows embedded,
+  and the ``sequence.Sequence`` handed to the step loop (``StepRunner``).
 - The step loop (``batch.BatchRunner``, one thread) asks the step scheduler
   (``scheduler.StepScheduler``: waiting, running, KV blocks, rows per step, fairness and
   preemption) who runs, feeds the rows, samples (``generate.Decoding``) and calls the
@@ -29,27 +29,34 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from qvld.config import Config
-from qvld.engine.backend import SlotPool, common_prefix, load_models, release_file_pages
-from qvld.engine.batch import BatchRunner, prefill_elsewhere
+from qvld.engine.backend import SlotPool, load_models, release_file_pages
+from qvld.engine.batch import BatchRunner
 from qvld.engine.blocks import BlockPool
-from qvld.engine.cache import ImageCache
 from qvld.engine.constraints import Constraint, GrammarCompiler
-from qvld.engine.generate import Decoding, Outcome, Prompt, never, run_generation
+from qvld.engine.generate import Decoding, never
 from qvld.engine.image import PixelBudget, PreparedImage
+from qvld.engine.image_cache import ImageCache
 from qvld.engine.model_dir import ModelSpec, load_model_spec
-from qvld.engine.prompt import ChatTemplate, TextTokenizer
-from qvld.engine.prompts import HistoryLost, PromptBuilder, prompt_keys
+from qvld.engine.prompt_builder import HistoryLost, PromptBuilder, prompt_keys
 from qvld.engine.request import CheckedRequest, check, image_tokens, sampling
+from qvld.engine.runners import Generation, Ran, RunJob, Runner, SlotRunner, StepRunner
 from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
-from qvld.engine.sequence import Sequence
-from qvld.engine.sessions import Session, SessionStore, Turn, dropped, ids_through_stop
+from qvld.engine.sessions import (
+    Session,
+    SessionStore,
+    Turn,
+    TurnInputs,
+    continued,
+    dropped,
+    kept_ids,
+)
+from qvld.engine.tokenizer import ChatTemplate, TextTokenizer
 from qvld.engine.types import (
     GenerateRequest,
     GenerateResult,
@@ -60,7 +67,7 @@ from qvld.engine.types import (
 )
 from qvld.engine.vision import ImageEmbedding, encode_image
 from qvld.engine.workers import SlotWorkers, Work
-from qvld.errors import Busy, ModelInvalid, PromptTooLong, Unavailable
+from qvld.errors import Busy, ModelInvalid, PromptTooLong
 
 log = logging.getLogger("qvld.engine")
 
@@ -93,53 +100,6 @@ class PreparedRequest:
     @property
     def max_total_tokens(self) -> int:
         return self.history_tokens + len(self.ids) + self.max_tokens
-
-
-@dataclass
-class TurnInputs:
-    """What one generation feeds: ids, images and where each starts (a session's
-    history included), the history's image embeddings kept for it, and whether its
-    session started afresh."""
-
-    ids: list[int]
-    images: list[PreparedImage]
-    starts: list[int]
-    pinned: dict[bytes, ImageEmbedding] | None = None
-    reset: bool = False
-
-
-# The prompt as fed, the outcome, and when vision and generation started.
-Ran = tuple[Prompt, Outcome, float, float]
-
-
-@dataclass(eq=False)
-class Generation:
-    """A request in the engine, from ``submit`` until its ``future`` is settled: waiting
-    for a slot worker, encoding, waiting for a place in the step loop, or running."""
-
-    uid: int
-    stop_when: Callable[[], bool] = never
-    future: Future[GenerateResult] = field(default_factory=Future)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    enqueued: float = field(default_factory=time.monotonic)
-    started: float | None = None  # on a slot (alone) or admitted to the step loop
-    work: Work | None = None
-    seq: Sequence | None = None
-    slot_wait_s: float = 0.0
-    t_start: float = 0.0
-    t_vision: float = 0.0
-    t_generate: float = 0.0
-
-    def should_stop(self) -> bool:
-        return self.cancelled.is_set() or self.stop_when()
-
-    @property
-    def stage(self) -> str:
-        if self.seq is not None and self.seq.admitted is not None:
-            return "running"
-        if self.started is not None:
-            return "running"
-        return "queued" if not self.t_start else "encoding"
 
 
 def warmup_image(size: int = 448) -> bytes:
@@ -180,7 +140,6 @@ class Engine:
                                      max_batch_tokens=config.engine.max_batch_tokens,
                                      chunk=config.engine.prefill_chunk,
                                      runtime=self.models.runtime)
-            self.batch.prefill_outside = self._prefill_outside
             if self.models.prompt is not None and not paged.rows_accessible:
                 log.warning("model.kv_cache_precision %s: prompts are prefilled by "
                             "OpenVINO (ONNX Runtime's rows go only into an f16 or f32 "
@@ -192,7 +151,6 @@ class Engine:
         self.queue_max = config.server.queue_max
         self._lock = threading.Lock()
         self._generations: set[Generation] = set()
-        self._prefilling = threading.Lock()  # model.prompt_backend: one prefill at a time
         self.images = ImageCache(config.engine.image_cache_mb << 20)
         self.sessions = SessionStore(config.engine.sessions_max, config.engine.session_ttl_s,
                                      per_user=config.engine.sessions_per_user,
@@ -206,8 +164,11 @@ class Engine:
                                         self.spec.vocab_size,
                                         self.spec.generation.eos_token_ids,
                                         cache_size=config.engine.grammar_cache_size)
-        if self.batch is not None:
-            self.batch.outside_runtime = self.prompt_runtime
+        self.runner: Runner = (
+            SlotRunner(self.pool, self.prompts, config.engine.prefill_chunk)
+            if self.batch is None else
+            StepRunner(self.pool, self.prompts, self.batch, self.workers, self.max_context,
+                       self.prompt_runtime))
         self.load_s = time.perf_counter() - t0
 
     def _block_pool(self, config: Config) -> BlockPool:
@@ -450,54 +411,33 @@ class Engine:
 
     def _start(self, gen: Generation, prepared: PreparedRequest,
                on_token: TokenCallback | None) -> None:
-        """On a slot worker: a session turn begun, then the generation alone on the slot
-        or its sequence handed to the step loop. Reports through ``gen``."""
+        """On a slot worker: a session turn begun, then the runner (alone on the slot, or
+        the step loop); its history started afresh when it cannot be rebuilt. Reports
+        through ``gen``."""
         gen.t_start = time.perf_counter()
         gen.slot_wait_s = time.monotonic() - gen.enqueued
         request = prepared.request
         turn: Turn | None = None
+
+        def job(inputs: TurnInputs) -> RunJob:
+            def done(ran: Ran | None, error: BaseException | None) -> None:
+                if error is not None:
+                    self._fail(gen, turn, error)
+                else:
+                    self._finish(gen, prepared, turn, inputs, ran)
+
+            return RunJob(gen=gen, owner=self.cache_owner(prepared.uid), inputs=inputs,
+                          decoding=self._decoding(prepared, inputs, on_token, gen),
+                          max_tokens=prepared.max_tokens, done=done)
+
         try:
             if request.session is not None:
                 turn = self.sessions.begin(prepared.uid, request.session, prepared.session,
                                            prepared.session_version)
-            inputs = self._turn_inputs(prepared, turn)
-            if self.batch is None:
-                gen.started = time.monotonic()
-                ran = self._run_alone(prepared, inputs, self._decoding(prepared, inputs,
-                                                                       on_token, gen))
-                if ran is None and not gen.should_stop():  # its history could not be rebuilt
-                    inputs = self._fresh_inputs(prepared)
-                    ran = self._run_alone(prepared, inputs, self._decoding(prepared, inputs,
-                                                                           on_token, gen))
-                self._finish(gen, prepared, turn, inputs, ran)
-                return
-            seq = self._sequence(gen, prepared, inputs,
-                                 self._decoding(prepared, inputs, on_token, gen))
-            if seq is None and not gen.should_stop():  # its history could not be rebuilt
-                inputs = self._fresh_inputs(prepared)
-                seq = self._sequence(gen, prepared, inputs,
-                                     self._decoding(prepared, inputs, on_token, gen))
-            if seq is None:
-                self._finish(gen, prepared, turn, inputs, None)
-                return
-            done_inputs = inputs
-
-            def done(seq: Sequence) -> None:
-                gen.started = seq.admitted
-                if seq.error is not None:
-                    self._fail(gen, turn, seq.error)
-                    return
-                assert seq.outcome is not None
-                self._finish(gen, prepared, turn, done_inputs,
-                             (seq.prompt, seq.outcome, gen.t_vision, gen.t_generate))
-
-            seq.on_done = done
-            gen.seq = seq
             try:
-                self.batch.submit(seq)
-            except BaseException:
-                self.batch.pool.release(seq.lease)
-                raise
+                self.runner.start(job(self._turn_inputs(prepared, turn)))
+            except HistoryLost:  # its history could not be rebuilt: a fresh start
+                self.runner.start(job(self._fresh_inputs(prepared)))
         except BaseException as exc:
             self._fail(gen, turn, exc)
 
@@ -509,20 +449,12 @@ class Engine:
     def _turn_inputs(self, prepared: PreparedRequest, turn: Turn | None) -> TurnInputs:
         """What the generation feeds: the prepared ids, after the session's history when
         it continues one (``_fresh_inputs`` when that history cannot be rebuilt)."""
-        inputs = TurnInputs(prepared.ids, prepared.images, prepared.image_starts,
-                            reset=prepared.session_reset)
         if turn is None:
-            return inputs
-        if turn.new:
-            if prepared.session is not None:  # prepared as a continuation of a lost one
-                return self._fresh_inputs(prepared)
-            return inputs
-        session = turn.session
-        return TurnInputs(session.ids + prepared.ids,
-                          prepared.history_images + prepared.images,
-                          session.image_starts + [len(session.ids) + s
-                                                  for s in prepared.image_starts],
-                          pinned=prepared.pinned, reset=prepared.session_reset)
+            return TurnInputs(prepared.ids, prepared.images, prepared.image_starts)
+        if turn.new and prepared.session is not None:  # prepared to continue a lost one
+            return self._fresh_inputs(prepared)
+        return continued(turn, prepared.ids, prepared.images, prepared.image_starts,
+                         prepared.history_images, prepared.pinned, prepared.session_reset)
 
     def _fresh_inputs(self, prepared: PreparedRequest) -> TurnInputs:
         """The request alone, its session started afresh (its history is lost)."""
@@ -553,7 +485,10 @@ class Engine:
                 if result.finish_reason == "cancelled":  # the client left or timed out
                     turns = 0 if turn.new else turn.session.turns
                 else:
-                    ids = inputs.ids + self._kept_ids(result, request)
+                    eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
+                    ids = inputs.ids + kept_ids(self.tokenizer, result.token_ids,
+                                                result.text, result.finish_reason,
+                                                request.stop, eos)
                     turns = self.sessions.commit(turn, ids, inputs.images, inputs.starts,
                                                  reset=inputs.reset)
                     self._pin_history(prepared.uid, request.session, ids, inputs.images,
@@ -581,15 +516,6 @@ class Engine:
     def _unpin_session(self, uid: int, sid: str) -> None:
         if self.blocks is not None:
             self.blocks.unpin((uid, sid))
-
-    def _kept_ids(self, result: GenerateResult, request: GenerateRequest) -> list[int]:
-        """The generated ids a session keeps: all, except after a stop string, where only
-        those through the stop string (the client never got the text beyond it)."""
-        ids = result.token_ids
-        eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
-        if result.finish_reason != "stop" or not ids or ids[-1] in eos:
-            return ids
-        return ids_through_stop(self.tokenizer, ids, result.text, request.stop)
 
     def _result(self, prepared: PreparedRequest, gen: Generation, ran: Ran) -> GenerateResult:
         prompt, outcome, t_vision, t_generate = ran
@@ -624,98 +550,6 @@ class Engine:
             grammar_compile_s=None if constraint is None else constraint.compile_s,
             mask_s=[] if constraint is None else constraint.mask_s,
         )
-
-    def _run_alone(self, prepared: PreparedRequest, inputs: TurnInputs, decoding: Decoding
-                   ) -> Ran | None:
-        """On a slot of its own: prompt, outcome, when vision and generation started;
-        None when stopped, or when a session history could not be rebuilt."""
-        ids, images, starts = inputs.ids, inputs.images, inputs.starts
-        keys = prompt_keys(ids, images, starts)
-        owner = self.cache_owner(prepared.uid)
-        with self.pool.acquire(keys, owner) as slot:
-            # Reuse the longest prefix in the KV cache, but always feed the last prompt
-            # row: its logits give the first token.
-            cached = min(common_prefix(slot.history, keys), len(ids) - 1)
-            slot.trim(cached)
-            t_vision = time.perf_counter()
-            try:
-                prompt = self.prompts.assemble(slot, ids, images, starts,
-                                               decoding.should_stop, cached, owner,
-                                               inputs.pinned)
-            except HistoryLost:
-                return None
-            if prompt is None:
-                return None
-            t_generate = time.perf_counter()
-            outcome = run_generation(slot, prompt, decoding,
-                                     chunk=self.config.engine.prefill_chunk, cached=cached)
-        return prompt, outcome, t_vision, t_generate
-
-    def _sequence(self, gen: Generation, prepared: PreparedRequest, inputs: TurnInputs,
-                  decoding: Decoding) -> Sequence | None:
-        """For the step loop: the cached prefix's blocks held, images encoded and the
-        prompt embedded on this worker's slot. None when stopped, or when a session
-        history could not be rebuilt."""
-        assert self.batch is not None and self.blocks is not None
-        ids, images, starts = inputs.ids, inputs.images, inputs.starts
-        keys = prompt_keys(ids, images, starts)
-        owner = self.cache_owner(prepared.uid)
-        lease = self.blocks.hold_prefix(keys, owner)
-        try:
-            cached = lease.shared
-            with self.pool.acquire() as slot:
-                t_vision = time.perf_counter()
-                try:
-                    prompt = self.prompts.assemble(slot, ids, images, starts,
-                                                   decoding.should_stop, cached, owner,
-                                                   inputs.pinned)
-                except HistoryLost:
-                    prompt = None
-                if prompt is None:
-                    self.blocks.release(lease)
-                    return None
-                embeds = slot.embed(np.asarray(ids[cached:]))
-                visual = prompt.visual_mask[cached:]
-                if visual.any():
-                    rows_of = np.cumsum(prompt.visual_mask)[cached:][visual] - 1
-                    embeds[visual] = prompt.visual_embeds[rows_of]
-                if decoding.constraint is not None:
-                    # Compiled by now (the handlers wait for it before submitting): the
-                    # step loop never waits for one sequence's grammar.
-                    decoding.constraint.wait()
-                outside = slot.prompt_slot is not None and self.batch.model.rows_accessible
-        except BaseException:
-            self.blocks.release(lease)
-            raise
-        seq = Sequence(prompt=prompt, embeds=embeds, lease=lease, owner=owner,
-                       decoding=decoding, uid=prepared.uid,
-                       max_rows=min(len(ids) + prepared.max_tokens, self.max_context),
-                       prefill_outside=outside)
-        gen.t_vision, gen.t_generate = t_vision, seq.t0
-        return seq
-
-    def _prefill_outside(self, seq: Sequence) -> None:
-        """The step loop admitted ``seq``, to be prefilled by the prompt runtime (one at
-        a time: each runs on every core) beside the steps; queued for a slot worker."""
-        assert self.batch is not None
-        batch = self.batch
-
-        def run() -> None:
-            fed, error = False, None
-            try:
-                with self._prefilling, self.pool.acquire() as slot:
-                    assert slot.prompt_slot is not None
-                    fed = prefill_elsewhere(slot.prompt_slot, batch.model, seq, batch.chunk)
-            except Exception as exc:
-                error = exc
-            batch.joined(seq, fed, self.prompt_runtime, error)
-
-        try:
-            self.workers.submit(Work(uid=seq.uid, run=run, should_stop=never,
-                                     on_drop=lambda: batch.joined(seq, False,
-                                                                  self.prompt_runtime)))
-        except Unavailable as exc:  # shutting down: this one ends, the steps go on
-            batch.joined(seq, False, self.prompt_runtime, exc)
 
     def _cancelled(self, prepared: PreparedRequest, gen: Generation) -> GenerateResult:
         waited = time.monotonic() - gen.enqueued

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qvld.engine.constraints import Constraint
-from qvld.engine.prompt import IncrementalText, TextTokenizer
 from qvld.engine.sampling import Sampler, StopStrings
 from qvld.engine.slots import Slot
+from qvld.engine.tokenizer import IncrementalText, TextTokenizer
 from qvld.engine.types import FinishReason, TokenCallback
 
 

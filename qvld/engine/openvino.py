@@ -23,7 +23,7 @@ import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
 from qvld.config import EngineConfig, ModelConfig
-from qvld.engine.model_cache import cache_key, open_model_cache
+from qvld.engine.compiled_cache import cache_key, open_model_cache
 from qvld.engine.model_dir import LANGUAGE_SUBMODELS, SUBMODELS, ModelSpec
 from qvld.engine.slots import SlotBase
 from qvld.errors import ModelInvalid

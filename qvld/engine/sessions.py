@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from qvld.engine.image import PreparedImage
-from qvld.engine.prompt import TextTokenizer
+from qvld.engine.tokenizer import TextTokenizer
 from qvld.errors import BadRequest, Busy
 
 SessionKey = tuple[int, str]  # (uid, session id)
@@ -322,6 +322,42 @@ class SessionStore:
         with self._lock:
             self._expire()
             return len(self._sessions)
+
+
+@dataclass
+class TurnInputs:
+    """What one generation feeds: ids, images and where each starts (a session's
+    history included), the history's image embeddings kept for it (by digest), and
+    whether its session started afresh."""
+
+    ids: list[int]
+    images: list[PreparedImage]
+    starts: list[int]
+    pinned: dict[bytes, Any] | None = None
+    reset: bool = False
+
+
+def continued(turn: Turn, ids: list[int], images: list[PreparedImage], starts: list[int],
+              history_images: list[PreparedImage], pinned: dict[bytes, Any],
+              reset: bool) -> TurnInputs:
+    """A turn's inputs: the new ``ids`` (``images`` at ``starts``) after the session's
+    history (whose images, as prepared, are ``history_images``), or alone for a new
+    session."""
+    if turn.new:
+        return TurnInputs(ids, images, starts, reset=reset)
+    session = turn.session
+    return TurnInputs(session.ids + ids, history_images + images,
+                      session.image_starts + [len(session.ids) + s for s in starts],
+                      pinned=pinned, reset=reset)
+
+
+def kept_ids(tokenizer: TextTokenizer, ids: list[int], text: str, finish_reason: str,
+             stops: Sequence[str], eos: Sequence[int]) -> list[int]:
+    """The generated ids a session keeps: all, except after a stop string, where only
+    those through the stop string (the client never got the text beyond it)."""
+    if finish_reason != "stop" or not ids or ids[-1] in eos:
+        return ids
+    return ids_through_stop(tokenizer, ids, text, stops)
 
 
 def ids_through_stop(tokenizer: TextTokenizer, ids: list[int], shown: str,

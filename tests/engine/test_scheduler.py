@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.engine import Generation
+from qvld.engine.runners import Generation
 from qvld.errors import BadRequest, Busy
 from tests.conftest import TINY, load_reference, parity_config, wait_for, with_image_bytes
 

@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from qvld.engine.cache import ImageCache
 from qvld.engine.generate import Prompt, mrope_positions, never
 from qvld.engine.image import PixelBudget, PreparedImage, image_digest, prepare
+from qvld.engine.image_cache import ImageCache
 from qvld.engine.model_dir import ModelSpec
-from qvld.engine.prompt import ChatTemplate, TextTokenizer, expand_image_pads
 from qvld.engine.request import CheckedRequest
 from qvld.engine.sessions import dropped
 from qvld.engine.slots import Slot
+from qvld.engine.tokenizer import ChatTemplate, TextTokenizer, expand_image_pads
 from qvld.engine.vision import ImageEmbedding, encode_image
 from qvld.errors import BadRequest, PromptTooLong
 

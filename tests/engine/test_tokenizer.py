@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qvld.engine.model_dir import find_chat_template, load_model_spec
-from qvld.engine.prompt import ChatTemplate, IncrementalText, TextTokenizer, expand_image_pads
+from qvld.engine.tokenizer import ChatTemplate, IncrementalText, TextTokenizer, expand_image_pads
 from qvld.errors import BadRequest, ModelInvalid
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from qvld.config import Config
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.model_cache import MANIFEST, cache_key
+from qvld.engine.compiled_cache import MANIFEST, cache_key
 from qvld.engine.model_dir import load_model_spec
 from tests.conftest import parity_config
 

@@ -1,0 +1,204 @@
+"""How a generation runs once a slot worker has it: one interface, two runners.
+
+``Runner.start(job)`` runs on the slot worker's thread and tells the end through
+``job.done(ran, error)`` (``ran`` None: stopped before an answer), or raises
+``HistoryLost`` without calling it when a session history could not be rebuilt (its
+images' bytes and embeddings are gone; the engine then starts the session afresh and
+calls ``start`` again).
+
+- ``SlotRunner`` (no continuous batching: the onnxruntime backend, or
+  ``engine.continuous_batching: false``): the whole generation on the worker's slot,
+  reusing the slot's KV cache as a prefix cache. ``done`` is called before ``start``
+  returns.
+- ``StepRunner`` (continuous batching): the prompt's cached prefix held, its images
+  encoded and rows embedded on the slot, then the ``Sequence`` handed to the step loop
+  (``batch.BatchRunner``); ``done`` is called later, on the step thread. A prompt
+  prefilled by another runtime (``model.prompt_backend``) goes back to a slot worker
+  once admitted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from qvld.engine.backend import SlotPool, common_prefix
+from qvld.engine.batch import BatchRunner, prefill_elsewhere
+from qvld.engine.generate import Decoding, Outcome, Prompt, never, run_generation
+from qvld.engine.prompt_builder import PromptBuilder, prompt_keys
+from qvld.engine.sequence import Sequence
+from qvld.engine.sessions import TurnInputs
+from qvld.engine.slots import Slot
+from qvld.engine.types import GenerateResult
+from qvld.engine.workers import SlotWorkers, Work
+from qvld.errors import Unavailable
+
+# The prompt as fed, the outcome, and when vision and generation started.
+Ran = tuple[Prompt, Outcome, float, float]
+
+
+@dataclass(eq=False)
+class Generation:
+    """A request in the engine, from ``Engine.submit`` until its ``future`` is settled:
+    waiting for a slot worker, encoding, waiting for a place in the step loop, or
+    running."""
+
+    uid: int
+    stop_when: Callable[[], bool] = never
+    future: Future[GenerateResult] = field(default_factory=Future)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued: float = field(default_factory=time.monotonic)
+    started: float | None = None  # on a slot (alone) or admitted to the step loop
+    work: Work | None = None
+    seq: Sequence | None = None
+    slot_wait_s: float = 0.0
+    t_start: float = 0.0
+
+    def should_stop(self) -> bool:
+        return self.cancelled.is_set() or self.stop_when()
+
+    @property
+    def stage(self) -> str:
+        if self.started is not None or (self.seq is not None and self.seq.admitted):
+            return "running"
+        return "queued" if not self.t_start else "encoding"
+
+
+@dataclass
+class RunJob:
+    """One attempt at a generation: its inputs, token choice, and whom to tell."""
+
+    gen: Generation
+    owner: int | None  # whose cached prefixes and images it may reuse
+    inputs: TurnInputs
+    decoding: Decoding
+    max_tokens: int
+    done: Callable[[Ran | None, BaseException | None], None]
+
+    def assemble(self, prompts: PromptBuilder, slot: Slot, cached: int) -> Prompt | None:
+        """The prompt laid out on ``slot``, its images after the ``cached`` rows encoded
+        (None: stopped; HistoryLost: a history image cannot be rebuilt)."""
+        inputs = self.inputs
+        return prompts.assemble(slot, inputs.ids, inputs.images, inputs.starts,
+                                self.decoding.should_stop, cached, self.owner, inputs.pinned)
+
+
+class Runner(Protocol):
+    def start(self, job: RunJob) -> None: ...
+
+
+class SlotRunner:
+    def __init__(self, pool: SlotPool, prompts: PromptBuilder, chunk: int) -> None:
+        self.pool = pool
+        self.prompts = prompts
+        self.chunk = chunk
+
+    def start(self, job: RunJob) -> None:
+        job.gen.started = time.monotonic()
+        ids = job.inputs.ids
+        keys = prompt_keys(ids, job.inputs.images, job.inputs.starts)
+        with self.pool.acquire(keys, job.owner) as slot:
+            # Reuse the longest prefix in the KV cache, but always feed the last prompt
+            # row: its logits give the first token.
+            cached = min(common_prefix(slot.history, keys), len(ids) - 1)
+            slot.trim(cached)
+            t_vision = time.perf_counter()
+            prompt = job.assemble(self.prompts, slot, cached)
+            if prompt is None:
+                job.done(None, None)
+                return
+            t_generate = time.perf_counter()
+            outcome = run_generation(slot, prompt, job.decoding, chunk=self.chunk,
+                                     cached=cached)
+        job.done((prompt, outcome, t_vision, t_generate), None)
+
+
+class StepRunner:
+    def __init__(self, pool: SlotPool, prompts: PromptBuilder, batch: BatchRunner,
+                 workers: SlotWorkers, max_context: int, prompt_runtime: str) -> None:
+        self.pool = pool
+        self.prompts = prompts
+        self.batch = batch
+        self.blocks = batch.pool
+        self.workers = workers
+        self.max_context = max_context
+        self.prompt_runtime = prompt_runtime
+        self._prefilling = threading.Lock()  # model.prompt_backend: one at a time
+        batch.prefill_outside = self._prefill_outside
+        batch.outside_runtime = prompt_runtime
+
+    def start(self, job: RunJob) -> None:
+        ids, decoding = job.inputs.ids, job.decoding
+        lease = self.blocks.hold_prefix(prompt_keys(ids, job.inputs.images,
+                                                    job.inputs.starts), job.owner)
+        try:
+            cached = lease.shared
+            with self.pool.acquire() as slot:
+                t_vision = time.perf_counter()
+                prompt = job.assemble(self.prompts, slot, cached)
+                if prompt is None:
+                    self.blocks.release(lease)
+                    job.done(None, None)
+                    return
+                embeds = slot.embed(np.asarray(ids[cached:]))
+                visual = prompt.visual_mask[cached:]
+                if visual.any():
+                    rows_of = np.cumsum(prompt.visual_mask)[cached:][visual] - 1
+                    embeds[visual] = prompt.visual_embeds[rows_of]
+                if decoding.constraint is not None:
+                    # Compiled by now (the handlers wait for it before submitting): the
+                    # step loop never waits for one sequence's grammar.
+                    decoding.constraint.wait()
+                outside = slot.prompt_slot is not None and self.batch.model.rows_accessible
+        except BaseException:
+            self.blocks.release(lease)
+            raise
+        seq = Sequence(prompt=prompt, embeds=embeds, lease=lease, owner=job.owner,
+                       decoding=decoding, uid=job.gen.uid,
+                       max_rows=min(len(ids) + job.max_tokens, self.max_context),
+                       prefill_outside=outside)
+        t_generate = seq.t0
+
+        def on_done(seq: Sequence) -> None:
+            job.gen.started = seq.admitted
+            if seq.error is not None:
+                job.done(None, seq.error)
+            else:
+                assert seq.outcome is not None
+                job.done((seq.prompt, seq.outcome, t_vision, t_generate), None)
+
+        seq.on_done = on_done
+        job.gen.seq = seq
+        try:
+            self.batch.submit(seq)
+        except BaseException:
+            self.blocks.release(lease)
+            raise
+
+    def _prefill_outside(self, seq: Sequence) -> None:
+        """The step loop admitted ``seq``, to be prefilled by the prompt runtime (one at
+        a time: each runs on every core) beside the steps; queued for a slot worker."""
+        batch = self.batch
+
+        def run() -> None:
+            fed, error = False, None
+            try:
+                with self._prefilling, self.pool.acquire() as slot:
+                    assert slot.prompt_slot is not None
+                    fed = prefill_elsewhere(slot.prompt_slot, batch.model, seq, batch.chunk)
+            except Exception as exc:
+                error = exc
+            batch.joined(seq, fed, self.prompt_runtime, error)
+
+        try:
+            self.workers.submit(Work(uid=seq.uid, run=run, should_stop=never,
+                                     on_drop=lambda: batch.joined(seq, False,
+                                                                  self.prompt_runtime)))
+        except Unavailable as exc:  # shutting down: this one ends, the steps go on
+            batch.joined(seq, False, self.prompt_runtime, exc)
