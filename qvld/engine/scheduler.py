@@ -11,7 +11,9 @@ Policy between users (uids; with API keys, one per key):
 
 - **Admission** takes the waiting user holding the fewest running sequences first
   (ties: the one that got a place longest ago, so equals take turns), and each user's
-  sequences in arrival order (a preempted one first again).
+  sequences in arrival order (a preempted one first again). Admission stops at the
+  first sequence that does not fit: nothing overtakes it, so a large request is not
+  starved by a stream of small ones.
 - **Preemption** keeps it fair at every step, not only at admission: when a waiting
   user cannot be admitted (the running set is full or its blocks do not fit), the
   user holding the most running sequences gives one up (its latest admitted) if it
