@@ -149,11 +149,19 @@ def table(rows: list[dict[str, Any]], columns: list[str],
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _who(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
+    """``columns`` with the user's name for the uid where the daemon sends one (an HTTP
+    user's key name, ``uid:N`` for others; daemons before it send the uid only)."""
+    if any("user" in row for row in rows):
+        return ["user" if c == "uid" else c for c in columns]
+    return columns
+
+
 SESSION_COLUMNS = ["id", "uid", "turns", "tokens", "images", "bytes", "age_s", "idle_s", "busy"]
 
 
 def sessions_table(sessions: list[dict[str, Any]]) -> str:
-    return table(sessions, SESSION_COLUMNS,
+    return table(sessions, _who(sessions, SESSION_COLUMNS),
                  formats={"bytes": human_bytes, "age_s": human_duration,
                           "idle_s": human_duration, "busy": _yes_no},
                  headers={"bytes": "size", "age_s": "age", "idle_s": "idle"})
@@ -258,17 +266,18 @@ def status_text(status: dict[str, Any], now: float | None = None) -> str:
     parts = ["\n".join(_fields(head))]
     if status.get("generations"):
         parts.append("generations:\n" + table(
-            status["generations"], ["uid", "stage", "age_s"],
+            status["generations"], _who(status["generations"], ["uid", "stage", "age_s"]),
             formats={"age_s": human_duration}, headers={"age_s": "age"}))
     if batch and batch.get("sequences"):
         parts.append("sequences:\n" + table(
-            batch["sequences"], ["uid", "state", "runtime", "prompt_tokens", "cached_tokens",
-                                 "fed_tokens", "generated_tokens"],
+            batch["sequences"], _who(batch["sequences"], [
+                "uid", "state", "runtime", "prompt_tokens", "cached_tokens", "fed_tokens",
+                "generated_tokens"]),
             headers={"prompt_tokens": "prompt", "cached_tokens": "cached",
                      "fed_tokens": "fed", "generated_tokens": "generated"}))
     if status.get("last_errors"):
         parts.append("last errors:\n" + table(
-            status["last_errors"], ["at", "op", "code", "uid"],
+            status["last_errors"], _who(status["last_errors"], ["at", "op", "code", "uid"]),
             formats={"at": lambda at: clock_time(at, now)}, headers={"at": "when"}))
     return "\n\n".join(parts)
 

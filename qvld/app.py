@@ -226,6 +226,11 @@ class App:
         engine = self.state.engine
         return engine.counts() if engine is not None else (0, 0)
 
+    def user_label(self, uid: int) -> str:
+        """Who ``uid`` is, for people: an HTTP user's key name, else ``uid:N``."""
+        name = self.http.users.name(uid) if self.http is not None else None
+        return name if name is not None else f"uid:{uid}"
+
     def _generations(self) -> list[Generation]:
         engine = self.state.engine
         return engine.generations() if engine is not None else []
@@ -235,13 +240,15 @@ class App:
         admin (``viewer`` None), else only the generations and errors of uid ``viewer``
         (errors recorded without a uid are shown to admins only)."""
         now = time.monotonic()
-        jobs = [{"uid": gen.uid, "stage": gen.stage, "age_s": round(now - gen.enqueued, 3)}
+        jobs = [{"uid": gen.uid, "user": self.user_label(gen.uid), "stage": gen.stage,
+                 "age_s": round(now - gen.enqueued, 3)}
                 for gen in self._generations() if viewer in (None, gen.uid)]
         running, waiting = self._counts()
         engine = self.state.engine
         preempted = (engine.batch.scheduler.preemptions
                      if engine is not None and engine.batch is not None else 0)
-        errors = [e for e in self.last_errors if viewer is None or e.get("uid") == viewer]
+        errors = [{**e, "user": self.user_label(e["uid"])} if e.get("uid") is not None else e
+                  for e in self.last_errors if viewer is None or e.get("uid") == viewer]
         details: dict[str, Any] = {
             "generations": jobs,
             "queue": {"running": running, "waiting": waiting, "preemptions": preempted},
@@ -268,7 +275,8 @@ class App:
             }
             batch = stats["batch"]
             if "sequences" in batch:  # a user sees their own running generations only
-                batch = {**batch, "sequences": [s for s in batch["sequences"]
+                batch = {**batch, "sequences": [{**s, "user": self.user_label(s["uid"])}
+                                                for s in batch["sequences"]
                                                 if viewer in (None, s["uid"])]}
             details["batch"] = batch
         return details
@@ -386,7 +394,8 @@ class App:
                             and self.server.policy.is_admin(peer),
                             reload=self.reload, metrics=self.metrics,
                             extra_status=self.status_details,
-                            preflight=lambda: self.preflight, drain=self.set_drained)
+                            preflight=lambda: self.preflight, drain=self.set_drained,
+                            user_label=self.user_label)
         self.server = Server(self.config.server, handlers, policy, on_reply=self._on_reply)
         try:
             if self.config.metrics.listen:

@@ -336,6 +336,9 @@ class HttpConfig(_Section):
     # What a stream may leave in the kernel and the transport before writes wait (the
     # socket's SO_SNDBUF too, a C int); server.send_buffer_bytes is the Unix socket's.
     send_buffer_bytes: int = Field(1024 * 1024, ge=4096, le=C_INT_MAX)
+    # Browser origins (scheme://host[:port]) whose pages may call the API (CORS): their
+    # preflights are answered and responses to them name them; empty: no CORS headers.
+    cors_allow_origins: list[str] = Field(default_factory=list)
     # image_url parts with detail "low": this image-token budget (≈ 256×256 pixels).
     low_detail_image_tokens: int = Field(64, ge=1)
     # http(s) image URLs: refused unless on, and then only from fetch_allow_hosts
@@ -346,6 +349,18 @@ class HttpConfig(_Section):
     fetch_allow_private: list[str] = Field(default_factory=list)
     fetch_max_bytes: int = Field(10 * 1024 * 1024, ge=1024, le=FRAME_MAX)
     fetch_timeout_s: float = Field(10, gt=0, le=3600)
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:
+            if origin == "*":
+                raise ValueError("'*' would let any web page use the API with a visitor's "
+                                 "local identity; list the origins")
+            if not re.fullmatch(r"https?://[^/\s?#]+", origin):
+                raise ValueError(f"{origin!r} is not an origin: scheme://host[:port], "
+                                 "no path (e.g. http://localhost:3000)")
+        return origins
 
     @field_validator("listen")
     @classmethod

@@ -69,8 +69,10 @@ class Handlers:
                  metrics: Metrics | None = None,
                  extra_status: Callable[[int | None], dict[str, Any]] | None = None,
                  preflight: Callable[[], dict[str, Any]] | None = None,
-                 drain: Callable[[bool], None] | None = None) -> None:
+                 drain: Callable[[bool], None] | None = None,
+                 user_label: Callable[[int], str] | None = None) -> None:
         self._preflight = preflight
+        self.user_label = user_label or (lambda uid: f"uid:{uid}")
         self._drain = drain
         self.generating = 0  # generate calls admitted and not finished, both front doors
         self.state = state
@@ -302,7 +304,8 @@ class Handlers:
             everyone = bool_param(params, "all")
             if everyone and not admin:
                 raise Forbidden("listing every user's sessions is an admin op")
-            return {"sessions": engine.sessions.list(None if everyone else ctx.peer.uid)}
+            return {"sessions": [{**s, "user": self.user_label(s["uid"])} for s in
+                                 engine.sessions.list(None if everyone else ctx.peer.uid)]}
         if action == "close":
             sid = params.get("id")
             if not isinstance(sid, str):

@@ -98,7 +98,7 @@ def test_status_shows_each_running_generation_with_its_tokens(batched: tuple[Dae
                                    text=True, timeout=60)
             # a table of the running generations, one row each
             table = shown.stdout.split("sequences:\n", 1)[-1].split("\n\n")[0].splitlines()
-            assert table[0].split() == ["UID", "STATE", "RUNTIME", "PROMPT", "CACHED", "FED",
+            assert table[0].split() == ["USER", "STATE", "RUNTIME", "PROMPT", "CACHED", "FED",
                                         "GENERATED"], shown.stdout + shown.stderr
             assert len(table) >= 4 and all(row.split()[1:3] in (["decode", "openvino"],
                                                                 ["prefill", "openvino"])

@@ -32,8 +32,9 @@ def test_session_follow_ups_over_the_socket_equal_transformers(daemon: Daemon) -
     out = daemon.qvlctl("sessions")
     assert out.returncode == 0
     header, *rows = out.stdout.decode().splitlines()
-    assert header.split() == ["ID", "UID", "TURNS", "TOKENS", "IMAGES", "SIZE", "AGE", "IDLE",
+    assert header.split() == ["ID", "USER", "TURNS", "TOKENS", "IMAGES", "SIZE", "AGE", "IDLE",
                               "BUSY"]
+    assert all(s["user"] == f"uid:{s['uid']}" for s in listed.values())  # socket users
     first = next(r for r in rows if r.startswith(f"s-{SESSIONS[0]['name']} "))
     # aligned under the header; sizes and times for people; busy as yes/no
     assert first.index(first.split()[2]) == header.index("TURNS")

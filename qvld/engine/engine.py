@@ -127,6 +127,12 @@ class Engine:
         self.models = load_models(self.spec, config.model, config.engine)
         self.max_context = min(config.engine.max_context_tokens,
                                self.spec.max_position_embeddings)
+        # What sets the context, for the message of a prompt that does not fit.
+        self.context_set_by = (
+            "engine.max_context_tokens"
+            if config.engine.max_context_tokens <= self.spec.max_position_embeddings else
+            "the model's max_position_embeddings; engine.max_context_tokens is "
+            f"{config.engine.max_context_tokens}")
         budget: int | None = config.engine.kv_retained_bytes // self.models.kv_bytes_per_token
         # With continuous batching the slots only encode images and embed prompts; the
         # language model steps every generation at once in the batch runner.
@@ -158,7 +164,8 @@ class Engine:
                                      on_removed=self._unpin_session)
         self.prompts = PromptBuilder(self.spec, self.tokenizer, self.template, self.images,
                                      config.engine.max_decode_pixels, self.max_context,
-                                     one_encoder_at_a_time=self.batch is not None)
+                                     one_encoder_at_a_time=self.batch is not None,
+                                     context_set_by=self.context_set_by)
         # Structured output: compiled on threads of its own, beside images and prefill.
         self.grammars = GrammarCompiler(config.model.path / "tokenizer.json",
                                         self.spec.vocab_size,
@@ -261,8 +268,9 @@ class Engine:
     def _check_context(self, history: int, new: int) -> None:
         if history + new + 1 > self.max_context:
             raise PromptTooLong(f"the prompt has {history + new} tokens; the context "
-                                f"holds {self.max_context} including at least one generated "
-                                "token" + (" (start a new session)" if history else ""))
+                                f"holds {self.max_context} (set by {self.context_set_by}) "
+                                "including at least one generated token"
+                                + (" (start a new session)" if history else ""))
 
     # -- what the daemon reports -------------------------------------------------------
 

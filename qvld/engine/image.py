@@ -115,15 +115,20 @@ def decode(data: bytes, max_decode_pixels: int) -> Image.Image:
             if width < 1 or height < 1:
                 raise ImageInvalid("the image has no pixels")
             if width * height > max_decode_pixels:
-                raise ImageTooLarge(f"the image declares {width}x{height} pixels; "
-                                    f"at most {max_decode_pixels} are decoded")
+                raise ImageTooLarge(f"the image declares {width}x{height} pixels; at most "
+                                    f"{max_decode_pixels} are decoded "
+                                    "(engine.max_decode_pixels)")
             image.seek(0)
             image.load()
             return to_rgb(ImageOps.exif_transpose(image))
     except (ImageInvalid, ImageTooLarge):
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageTooLarge(f"the image is too large to decode: {exc}") from exc
+        # Pillow's own guard fires in open(), before the size is ours to read: the same
+        # answer as ours, naming the key that sets it, not Pillow's wording.
+        raise ImageTooLarge(f"the image declares more than {max_decode_pixels} pixels; "
+                            f"at most {max_decode_pixels} are decoded "
+                            "(engine.max_decode_pixels)") from exc
     except (OSError, SyntaxError, ValueError, TypeError, EOFError, IndexError,
             MemoryError) as exc:
         raise ImageInvalid(f"the image cannot be decoded: {decode_problem(exc)}") from exc

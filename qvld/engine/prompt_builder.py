@@ -54,8 +54,10 @@ def prompt_keys(ids: list[int], images: list[PreparedImage], starts: list[int]
 class PromptBuilder:
     def __init__(self, spec: ModelSpec, tokenizer: TextTokenizer, template: ChatTemplate,
                  images: ImageCache, max_decode_pixels: int, max_context: int,
-                 one_encoder_at_a_time: bool = False) -> None:
+                 one_encoder_at_a_time: bool = False,
+                 context_set_by: str = "engine.max_context_tokens") -> None:
         self.spec = spec
+        self.context_set_by = context_set_by  # what sets max_context, for messages
         # With continuous batching the vision encoder runs beside the language model's
         # steps; each inference already takes every core, so encoders running at once
         # only share them: one at a time, the first request's image is done first (its
@@ -127,7 +129,7 @@ class PromptBuilder:
             if count is None:
                 raise PromptTooLong(
                     f"the prompt's text is longer than the {room} tokens left in the "
-                    f"context (engine.max_context_tokens {self.max_context})")
+                    f"context of {self.max_context} tokens (set by {self.context_set_by})")
             left -= count
 
     # -- on a slot: the embeddings the language model takes ---------------------------

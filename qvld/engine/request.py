@@ -166,11 +166,18 @@ def sampling(request: GenerateRequest, gen: GenerationDefaults) -> SamplingParam
                           seed=request.seed)
 
 
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
 def max_tokens(request: GenerateRequest, limits: EngineConfig) -> int:
+    """A request's max_tokens, clamped to engine.max_new_tokens (clients ask for 1 024-4 096
+    by default; the reply's finish_reason "length" says when the cap was reached, or the
+    context's end). Beyond a 32-bit count it is a mistake, not a wish."""
     value = limits.default_max_tokens if request.max_tokens is None else request.max_tokens
-    if not 1 <= value <= limits.max_new_tokens:
-        raise BadRequest(f"max_tokens must be within 1..{limits.max_new_tokens}")
-    return int(value)
+    if not 1 <= value <= MAX_TOKENS_LIMIT:
+        raise BadRequest(f"max_tokens must be within 1..{MAX_TOKENS_LIMIT}; more than "
+                         f"engine.max_new_tokens ({limits.max_new_tokens}) is clamped to it")
+    return min(value, limits.max_new_tokens)
 
 
 def image_tokens(request: GenerateRequest, limits: EngineConfig) -> int:

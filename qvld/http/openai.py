@@ -33,6 +33,9 @@ FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "seed", "stop", "presence_penalty", "frequency_penalty", "n", "user", "stream",
     "stream_options", "response_format",
+    # accepted for what current clients send; they change nothing here (checked types)
+    "metadata", "store", "prompt_cache_key", "safety_identifier", "service_tier",
+    "verbosity",
     # extensions
     "top_k", "repetition_penalty", "max_image_tokens", "ignore_eos", "session",
 })
@@ -41,8 +44,6 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "functions": (None, []), "function_call": (None, "none", "auto"),
-    "store": (None, False),
-    "metadata": (None, {}), "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]), "logit_bias": (None, {}), "prediction": (None,),
     "audio": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
 }
@@ -51,7 +52,8 @@ PASSED = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency
           "top_k", "repetition_penalty", "max_image_tokens", "ignore_eos", "session")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MESSAGE_KEYS = frozenset({"role", "content", "name"})
-IMAGE_TYPES = {"png": b"\x89PNG\r\n\x1a\n", "jpeg": b"\xff\xd8\xff", "gif": b"GIF8"}
+IMAGE_TYPES = {"png": b"\x89PNG\r\n\x1a\n", "jpeg": b"\xff\xd8\xff", "gif": b"GIF8",
+               "bmp": b"BM"}  # what the engine decodes (image.FORMATS), on both fronts
 DATA_URL = re.compile(r"data:image/([a-z0-9.+-]+)(;[a-z0-9=.+-]+)*;base64,", re.IGNORECASE)
 MAX_USER_CHARS = 256
 
@@ -114,6 +116,7 @@ def parse_chat(body: Any, session: str | None = None,
     n = body.get("n")
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise bad("n", "n must be 1: this server returns one choice per request")
+    _accepted(body)
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise bad("user", f"user must be a string of at most {MAX_USER_CHARS} characters")
@@ -137,6 +140,26 @@ def parse_chat(body: Any, session: str | None = None,
     if "max_image_tokens" not in params and details and all(d == "low" for d in details):
         params["max_image_tokens"] = low_detail_tokens
     return ChatRequest(params, stream, include_usage, model, user, remote)
+
+
+# The fields accepted and ignored, by the type each must have (what OpenAI documents).
+ACCEPTED: dict[str, tuple[type, ...]] = {
+    "metadata": (dict,), "store": (bool,), "prompt_cache_key": (str,),
+    "safety_identifier": (str,), "service_tier": (str,), "verbosity": (str,)}
+
+
+def _accepted(body: dict[str, Any]) -> None:
+    """Fields current clients send that mean nothing here: the KV prefix cache is
+    automatic (``prompt_cache_key``), nothing is stored (``store``), there is one tier;
+    checked for their type so that a typo in a value is still told."""
+    for name, types in ACCEPTED.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, types):
+            raise bad(name, f"{name} must be {' or '.join(t.__name__ for t in types)}")
+    metadata = body.get("metadata")
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str)
+                                        for k, v in metadata.items()):
+        raise bad("metadata", "metadata must map strings to strings")
 
 
 JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
@@ -267,7 +290,7 @@ def _part(part: Any, where: str, remote: list[RemoteImage],
 
 
 def data_url_bytes(url: str, where: str = "image_url") -> bytes:
-    """The image in a ``data:image/...;base64,`` URL; PNG, JPEG, WebP or GIF only."""
+    """The image in a ``data:image/...;base64,`` URL; PNG, JPEG, WebP, GIF or BMP only."""
     match = DATA_URL.match(url)
     if match is None:
         raise ImageInvalid(f"{where}: a data URL must be data:image/<type>;base64,<data>")
@@ -278,7 +301,7 @@ def data_url_bytes(url: str, where: str = "image_url") -> bytes:
     except (binascii.Error, ValueError, UnicodeEncodeError):
         raise ImageInvalid(f"{where}: the data URL is not valid base64") from None
     if image_format(data) is None:
-        raise ImageInvalid(f"{where}: the image must be PNG, JPEG, WebP or GIF")
+        raise ImageInvalid(f"{where}: the image must be PNG, JPEG, WebP, GIF or BMP")
     return data
 
 
@@ -346,5 +369,7 @@ def error_body(exc: QvlError | None = None, *, code: str = "", message: str = ""
         code, message = exc.code, exc.message
         param = getattr(exc, "param", None)
         status = getattr(exc, "http_status", None) or status_of(code)
+        if code == "prompt_too_long":  # the code OpenAI's clients (litellm, LangChain) know
+            code, param = "context_length_exceeded", param or "messages"
     return status, {"error": {"message": message, "type": TYPES.get(status, "server_error"),
                               "param": param, "code": code}}

@@ -286,8 +286,10 @@ class HttpFront:
         """Serve on ``sock`` (from systemd) or on http.listen."""
         # What metrics and logs call each route (the chat completions are "generate").
         self._ops = {self.chat_completions: "generate", self.models: "models",
-                     self.health: "health", self.metrics_text: "metrics"}
+                     self.health: "health", self.metrics_text: "metrics",
+                     self.preflight: "preflight"}
         app = web.Application(middlewares=[self._errors])
+        app.on_response_prepare.append(self._cors)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.models)
@@ -390,6 +392,9 @@ class HttpFront:
         """Every request accounted once (its op, user, outcome and log fields, which the
         handler leaves on the request), every failure in OpenAI's error shape."""
         t0 = time.monotonic()
+        if request.method == "OPTIONS" and isinstance(request.match_info.http_exception,
+                                                      web.HTTPMethodNotAllowed):
+            handler = self.preflight  # a browser's CORS preflight for a path served here
         op = self._ops.get(handler, "unknown")
         request["fields"] = {}
         outcome = "ok"
@@ -425,6 +430,31 @@ class HttpFront:
         finally:
             self._account(request, op, outcome, t0, request.get("caller"),
                           request["fields"])
+
+    def _allowed_origin(self, request: web.Request) -> str | None:
+        origin = request.headers.get("Origin")
+        return origin if origin in self.config.cors_allow_origins else None
+
+    async def _cors(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every response to a listed origin names it (errors too, so that the page can
+        read them); others get no CORS header, as before."""
+        origin = self._allowed_origin(request)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = "Retry-After, X-Qvld-Session"
+        if self.config.cors_allow_origins:
+            response.headers.add("Vary", "Origin")  # caches keep answers per origin
+
+    async def preflight(self, request: web.Request) -> web.StreamResponse:
+        """A browser's CORS preflight: 204 for a listed origin, else 405 as before."""
+        if self._allowed_origin(request) is None:
+            raise web.HTTPMethodNotAllowed("OPTIONS", ["GET", "POST"])
+        wanted = request.headers.get("Access-Control-Request-Headers")
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": wanted or
+            "Authorization, Content-Type, X-Qvld-Session",
+            "Access-Control-Max-Age": "600"})
 
     async def _caller(self, request: web.Request) -> Caller:
         """Who is asking (see the module docstring), or 401/403."""
@@ -660,7 +690,7 @@ class HttpFront:
 
 
 def _not_an_image(data: bytes) -> str | None:
-    return None if openai.image_format(data) is not None else "is not PNG, JPEG, WebP or GIF"
+    return None if openai.image_format(data) is not None else "is not PNG, JPEG, WebP, GIF or BMP"
 
 
 async def _settle(ctx: RequestContext, task: asyncio.Future[Any],

@@ -274,11 +274,11 @@ def test_failures_at_an_internal_host_all_read_the_same(caplog: pytest.LogCaptur
             await failure(s.url("/slow"), caplog, timeout_s=0.5),
             await failure(s.url("/big"), caplog, max_bytes=MAX, timeout_s=5.0),
             await failure(s.url("/image"), caplog,
-                          accept=lambda data: "is not PNG, JPEG, WebP or GIF"),
+                          accept=lambda data: "is not PNG, JPEG, WebP, GIF or BMP"),
         ]
         expected = ["127.0.0.1: cannot connect", "127.0.0.1: HTTP 404",
                     "127.0.0.1: TLS error", "timed out after 0.5 s",
-                    f"larger than {MAX} bytes", "is not PNG, JPEG, WebP or GIF"]
+                    f"larger than {MAX} bytes", "is not PNG, JPEG, WebP, GIF or BMP"]
         for reason, wanted in zip(reasons, expected, strict=True):
             assert wanted in reason and "s3cret" not in reason, reason
     run(body)

@@ -115,16 +115,17 @@ def test_unknown_field_gets_a_did_you_mean() -> None:
 
 @pytest.mark.parametrize("url", [
     "data:image/png;base64,@@@", "data:text/plain;base64,aGk=", "data:image/png,rawbytes",
-    data_url(b"BM not a format we take"), data_url(b"\x89PNG"[:3]),
+    data_url(b"II*\x00 a TIFF, not a format we take"), data_url(b"\x89PNG"[:3]),
 ])
-def test_data_urls_must_hold_base64_png_jpeg_webp_or_gif(url: str) -> None:
+def test_data_urls_must_hold_base64_png_jpeg_webp_gif_or_bmp(url: str) -> None:
     with pytest.raises(ImageInvalid):
         openai.data_url_bytes(url)
 
 
 @pytest.mark.parametrize("kind, mime", [("PNG", "image/png"), ("JPEG", "image/jpeg"),
-                                        ("WEBP", "image/webp"), ("GIF", "image/gif")])
-def test_the_four_formats_are_taken(kind: str, mime: str) -> None:
+                                        ("WEBP", "image/webp"), ("GIF", "image/gif"),
+                                        ("BMP", "image/bmp")])
+def test_the_five_formats_are_taken(kind: str, mime: str) -> None:
     data = png(kind=kind)
     assert openai.data_url_bytes(data_url(data, mime)) == data
 

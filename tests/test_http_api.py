@@ -1,0 +1,165 @@
+"""What OpenAI clients send and browsers need, against the real daemon over HTTP: large
+max_tokens clamped, the current OpenAI fields accepted, a prompt over the context named
+the way clients look for it, CORS for the listed origins only, and images as on the
+socket (BMP, the decode-pixel limit by its key)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from tests.test_http import RECEIPT, HttpDaemon
+
+ORIGIN = "http://localhost:3000"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    d = HttpDaemon(tmp_path_factory.mktemp("http-api"), args=[
+        "--set", f'http.cors_allow_origins=["{ORIGIN}"]', "--set", "engine.max_new_tokens=16",
+        "--set", "engine.default_max_tokens=8"]).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def test_max_tokens_above_the_cap_are_clamped_and_say_length(daemon: HttpDaemon) -> None:
+    client = daemon.openai()
+    answer = client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=HI, max_completion_tokens=1000, temperature=0,
+        extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 16  # engine.max_new_tokens
+    assert answer.choices[0].finish_reason == "length"
+    legacy = client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=HI, max_tokens=4096, temperature=0)
+    assert legacy.usage.completion_tokens <= 16
+
+
+def test_the_fields_current_clients_send_are_accepted(daemon: HttpDaemon) -> None:
+    client = daemon.openai()
+    answer = client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=HI, max_tokens=2, metadata={"job": "nightly"}, store=False,
+        prompt_cache_key="greeting", safety_identifier="user-7", service_tier="auto",
+        parallel_tool_calls=True, extra_body={"verbosity": "low"})
+    assert answer.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as wrong:
+        client.chat.completions.create(  # type: ignore[call-overload]
+            model="tiny", messages=HI, metadata={"job": 7})
+    assert wrong.value.param == "metadata"
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.chat.completions.create(  # type: ignore[call-overload]
+            model="tiny", messages=HI, extra_body={"temprature": 0})
+    assert unknown.value.param == "temprature" and "temperature" in unknown.value.message
+
+
+def test_a_prompt_over_the_context_is_context_length_exceeded(daemon: HttpDaemon) -> None:
+    with pytest.raises(openai.BadRequestError) as long:
+        daemon.openai().chat.completions.create(  # type: ignore[call-overload]
+            model="tiny", messages=[{"role": "user", "content": "word " * 20_000}])
+    assert long.value.code == "context_length_exceeded"
+    message = long.value.message
+    # The true limit and what sets it: the tiny model's 4096 positions, below the key.
+    assert "4096" in message and "max_position_embeddings" in message, message
+    assert "engine.max_context_tokens is 8192" in message
+
+
+def test_cors_answers_the_listed_origin_only(daemon: HttpDaemon) -> None:
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    status, headers, _ = daemon.request("OPTIONS", "/v1/chat/completions", headers=preflight)
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == ORIGIN
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    status, headers, _ = daemon.request(
+        "OPTIONS", "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.test"})
+    assert status == 405 and "Access-Control-Allow-Origin" not in headers
+    status, headers, _ = daemon.request("GET", "/v1/models", headers={"Origin": ORIGIN})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN
+    assert "Origin" in headers["Vary"]
+    status, headers, _ = daemon.request("GET", "/v1/models",
+                                        headers={"Origin": "http://evil.test"})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    status, headers, body = daemon.request(  # an error is readable by the page too
+        "POST", "/v1/chat/completions", b"{}",
+        {"Origin": ORIGIN, "Content-Type": "application/json"})
+    assert status == 400 and headers["Access-Control-Allow-Origin"] == ORIGIN
+    assert body["error"]["param"] == "messages"
+
+
+def test_a_wildcard_origin_is_refused_at_load(daemon: HttpDaemon) -> None:
+    from qvld.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="list the origins"):
+        load_config(None, ['http.cors_allow_origins=["*"]'])
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A PNG whose header declares ``width`` x ``height`` (its pixels never arrive)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
+
+
+def ask_image(daemon: HttpDaemon, data: bytes, kind: str) -> Any:
+    url = f"data:image/{kind};base64," + base64.b64encode(data).decode()
+    return daemon.openai().chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "What is this?"}]}])
+
+
+def test_images_are_the_same_on_both_fronts(daemon: HttpDaemon) -> None:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.open(RECEIPT).convert("RGB").save(buf, "BMP")
+    answer = ask_image(daemon, buf.getvalue(), "bmp")
+    assert answer.usage.completion_tokens == 2
+    assert answer.usage.prompt_tokens > 20  # the image's tokens are in the prompt
+    with pytest.raises(openai.BadRequestError) as bomb:
+        ask_image(daemon, png_declaring(20_000, 20_000), "png")
+    assert bomb.value.code == "image_too_large"
+    assert "engine.max_decode_pixels" in bomb.value.message
+    assert "decompression" not in bomb.value.message.lower()  # not Pillow's words
+
+
+def test_http_users_are_shown_by_their_key_name(tmp_path_factory: pytest.TempPathFactory
+                                                ) -> None:
+    from qvld.http.keys import hash_key
+
+    workdir = tmp_path_factory.mktemp("named")
+    key = "qvld-test-key-carol-0123456789"
+    keys = workdir / "keys"
+    keys.write_text(f"carol:{hash_key(key)}\n")
+    keys.chmod(0o600)
+    d = HttpDaemon(workdir, args=["--set", f"http.api_keys_file={keys}"]).start()
+    try:
+        d.openai(key).chat.completions.create(  # type: ignore[call-overload]
+            model="tiny", messages=HI, max_tokens=2, extra_headers={"X-Qvld-Session": "c1"})
+        with pytest.raises(openai.BadRequestError):
+            d.openai(key).chat.completions.create(  # type: ignore[call-overload]
+                model="tiny", messages=HI, max_tokens=0)
+        out = d.qvlctl("sessions", "--all", "--json")
+        assert out.returncode == 0, out.stderr
+        assert [s["user"] for s in json.loads(out.stdout)] == ["carol"]
+        with d.client() as client:
+            status = client.status()
+        assert any(e.get("user") == "carol" for e in status["last_errors"])
+        text = d.qvlctl("status").stdout.decode()
+        assert "carol" in text and "4294967296" not in text
+    finally:
+        d.stop()
