@@ -204,8 +204,9 @@ class Handlers:
             return cancelled_result().to_dict()
         rid = ctx.request.id
 
-        def on_token(text: str, ids: list[int]) -> None:
-            ctx.send_event(protocol.token_event(rid, text, ids))
+        def on_token(text: str, ids: list[int],
+                     logprobs: list[dict[str, Any]] | None = None) -> None:
+            ctx.send_event(protocol.token_event(rid, text, ids, logprobs))
 
         result = await self._run(engine, prepared, on_token if stream else None, ctx,
                                  job_deadline)

@@ -251,5 +251,9 @@ def error(rid: int | None, exc: QvlError) -> dict[str, Any]:
     return {"id": rid, "ok": False, "error": exc.to_wire()}
 
 
-def token_event(rid: int, text: str, token_ids: list[int]) -> dict[str, Any]:
-    return {"id": rid, "event": "token", "text": text, "token_ids": token_ids}
+def token_event(rid: int, text: str, token_ids: list[int],
+                logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    event = {"id": rid, "event": "token", "text": text, "token_ids": token_ids}
+    if logprobs is not None:  # asked for: one entry per id
+        event["logprobs"] = logprobs
+    return event

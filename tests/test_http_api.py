@@ -163,3 +163,46 @@ def test_http_users_are_shown_by_their_key_name(tmp_path_factory: pytest.TempPat
         assert "carol" in text and "4294967296" not in text
     finally:
         d.stop()
+
+
+def test_logprobs_one_entry_per_token_streamed_or_not(daemon: HttpDaemon) -> None:
+    client = daemon.openai()
+    ask: dict[str, Any] = {"model": "tiny", "messages": HI, "max_tokens": 8,
+                           "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = client.chat.completions.create(**ask)
+    answer = client.chat.completions.create(**ask, logprobs=True, top_logprobs=2)
+    assert answer.choices[0].message.content == plain.choices[0].message.content
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens == 8
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.top_logprobs[0].logprob >= entry.logprob
+    chunks = list(client.chat.completions.create(**ask, logprobs=True, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [e.logprob for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)  # top_logprobs 0: none beside
+    with pytest.raises(openai.BadRequestError) as alone:
+        client.chat.completions.create(**{**ask, "top_logprobs": 2})
+    assert alone.value.param == "top_logprobs"
+
+
+def test_logprobs_on_the_socket_in_the_result_and_each_token_event(daemon: HttpDaemon
+                                                                   ) -> None:
+    with daemon.client() as client:
+        client.send({"id": 1, "op": "generate", "params": {
+            "messages": HI, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "stream": True}})
+        events, reply = [], None
+        while reply is None:
+            message = client.receive()
+            if message.get("event") == "token":
+                events.append(message)
+            else:
+                reply = message
+    result = reply["result"]
+    assert len(result["logprobs"]) == result["usage"]["completion_tokens"] == 6
+    assert [e["token_id"] for e in result["logprobs"]] == result["token_ids"]
+    assert [e for event in events for e in event["logprobs"]] == result["logprobs"]
+    assert all(len(e["top"]) == 1 for e in result["logprobs"])

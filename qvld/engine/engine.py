@@ -479,7 +479,8 @@ class Engine:
             max_context=self.max_context,
             eos_ids=() if request.ignore_eos else self.spec.generation.eos_token_ids,
             stops=StopStrings(request.stop), on_token=on_token,
-            should_stop=gen.should_stop, constraint=prepared.constraint)
+            should_stop=gen.should_stop, constraint=prepared.constraint,
+            logprobs=request.logprobs)
 
     def _finish(self, gen: Generation, prepared: PreparedRequest, turn: Turn | None,
                 inputs: TurnInputs, ran: Ran | None) -> None:
@@ -557,6 +558,7 @@ class Engine:
             response_format=None if constraint is None else constraint.format.type,
             grammar_compile_s=None if constraint is None else constraint.compile_s,
             mask_s=[] if constraint is None else constraint.mask_s,
+            logprobs=outcome.logprobs,
         )
 
     def _cancelled(self, prepared: PreparedRequest, gen: Generation) -> GenerateResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,7 @@ class Outcome:
     decode_s: float
     cached_tokens: int
     token_gaps: list[float] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
 
 
 def prefill(slot: Slot, prompt: Prompt, start: int, chunk: int,
@@ -91,6 +93,14 @@ def prefill(slot: Slot, prompt: Prompt, start: int, chunk: int,
     return logits
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log p over the vocabulary, in float64 (masked tokens: -inf)."""
+    scores: np.ndarray = logits.astype(np.float64)
+    top = float(scores.max())
+    scores -= top + float(np.log(np.exp(scores - top).sum()))
+    return scores
+
+
 def never() -> bool:
     """The default ``should_stop``: nothing cancels."""
     return False
@@ -105,8 +115,13 @@ class Decoding:
                  max_tokens: int, max_context: int, eos_ids: Sequence[int],
                  stops: StopStrings, on_token: TokenCallback | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 constraint: Constraint | None = None) -> None:
+                 constraint: Constraint | None = None, logprobs: int | None = None) -> None:
         self.sampler = sampler
+        self.tokenizer = tokenizer
+        # Asked: each token's log-probability and this many alternatives.
+        self.top_logprobs = logprobs
+        self.logprobs: list[dict[str, Any]] = []
+        self.pending_logprobs: list[dict[str, Any]] = []
         self.constraint = constraint
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
@@ -133,7 +148,10 @@ class Decoding:
         constraint = self.constraint
         if constraint is not None:
             constraint.mask(logits)
+        scores = None if self.top_logprobs is None else log_softmax(logits)
         token = self.sampler.choose(logits)
+        if scores is not None:
+            self._note_logprobs(token, scores)
         complete = constraint is not None and constraint.advance(token)
         now = time.perf_counter()
         if not self.text.ids:
@@ -162,9 +180,33 @@ class Decoding:
             stable = text.stable_text()
             limit = len(stable) - stops.holdback(stable)
             if limit > self.released:
-                self.on_token(stable[self.released:limit], self.pending)
-                self.released, self.pending = limit, []
+                self._release(stable[self.released:limit])
+                self.released = limit
         return token
+
+    def _release(self, text: str) -> None:
+        """Pass ``text`` and the ids not yet passed (with their logprobs when asked)."""
+        assert self.on_token is not None
+        if self.top_logprobs is None:
+            self.on_token(text, self.pending)
+        else:
+            self.on_token(text, self.pending, logprobs=self.pending_logprobs)
+            self.pending_logprobs = []
+        self.pending = []
+
+    def _note_logprobs(self, token: int, scores: np.ndarray) -> None:
+        """``token``'s log-probability and the ``top_logprobs`` likeliest, under the
+        model's distribution (after a response format's mask; before temperature, top-p
+        and penalties, as OpenAI reports them)."""
+        n = self.top_logprobs or 0
+        top = np.argpartition(scores, -n)[-n:] if n else np.empty(0, np.int64)
+        top = top[np.argsort(-scores[top], kind="stable")]
+        decode = self.tokenizer.decode
+        entry = {"token_id": token, "token": decode([token]), "logprob": float(scores[token]),
+                 "top": [{"token_id": int(t), "token": decode([int(t)]),
+                          "logprob": float(scores[t])} for t in top]}
+        self.logprobs.append(entry)
+        self.pending_logprobs.append(entry)
 
     def cancel(self) -> None:
         """End it as cancelled (before or between tokens)."""
@@ -178,8 +220,8 @@ class Decoding:
     def _flush(self) -> None:
         final = self.final_text
         if self.on_token is not None and (len(final) > self.released or self.pending):
-            self.on_token(final[self.released:], self.pending)
-            self.released, self.pending = len(final), []
+            self._release(final[self.released:])
+            self.released = len(final)
 
     def outcome(self, t0: float, t_prefill: float, cached: int) -> Outcome:
         """The result, timed from ``t0`` (start) and ``t_prefill`` (prompt fed)."""
@@ -187,6 +229,7 @@ class Decoding:
         t_end = time.perf_counter()
         first = self.t_first or t_end
         return Outcome(token_ids=self.text.ids, text=self.final_text,
+                       logprobs=None if self.top_logprobs is None else self.logprobs,
                        finish_reason=self.finish, prefill_s=t_prefill - t0,
                        ttft_s=(first - t0) if self.text.ids else 0.0,
                        decode_s=(t_end - first) if self.text.ids else 0.0,

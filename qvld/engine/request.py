@@ -26,8 +26,9 @@ from qvld.errors import BadRequest
 GENERATE_PARAMS = frozenset({
     "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "seed", "stop", "session", "stream",
-    "deadline_s", "ignore_eos", "max_image_tokens", "response_format",
+    "deadline_s", "ignore_eos", "max_image_tokens", "response_format", "logprobs",
 })
+MAX_TOP_LOGPROBS = 20
 ROLES = frozenset({"system", "user", "assistant"})
 
 
@@ -103,6 +104,10 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
     if seed is not None and not 0 <= seed < 2 ** 63:
         raise BadRequest("seed must be within [0, 2^63)")
     parse_deadline(params)
+    logprobs = int_param(params, "logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"logprobs must be within 0..{MAX_TOP_LOGPROBS} (the alternatives "
+                         "given beside each token's own log-probability)")
     request = GenerateRequest(
         messages=params.get("messages"),  # type: ignore[arg-type]  # check() types them
         max_tokens=int_param(params, "max_tokens"),
@@ -118,6 +123,7 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
         max_image_tokens=int_param(params, "max_image_tokens"),
         session=session,
         response_format=parse_response_format(params.get("response_format")),
+        logprobs=logprobs,
     )
     return request, bool_param(params, "stream")
 

@@ -30,6 +30,8 @@ class GenerateRequest:
     max_image_tokens: int | None = None
     session: str | None = None  # continue (or start) this conversation
     response_format: ResponseFormat | None = None  # what the answer must match
+    # Each generated token's log-probability and this many alternatives (0..20); None: off.
+    logprobs: int | None = None
 
 
 @dataclass
@@ -78,6 +80,8 @@ class GenerateResult:
     response_format: str | None = None
     grammar_compile_s: float | None = None
     mask_s: list[float] = field(default_factory=list, repr=False)
+    # One entry per generated token when asked (see generate.Decoding).
+    logprobs: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"text": self.text, "token_ids": self.token_ids,
@@ -85,12 +89,15 @@ class GenerateResult:
                "timings": asdict(self.timings)}
         if self.session is not None:
             out["session"] = asdict(self.session)
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
         return out
 
 
 # on_token(text_delta, new_token_ids): called as text becomes final (never mid-character,
-# never a possible stop-string prefix).
-TokenCallback = Callable[[str, list[int]], None]
+# never a possible stop-string prefix). A request that asks for logprobs calls it with a
+# third argument, the entries of those ids (``logprobs=``).
+TokenCallback = Callable[..., None]
 
 
 def cancelled_result() -> GenerateResult:

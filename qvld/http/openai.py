@@ -9,7 +9,7 @@ for the caller to fetch, where the admin allows it.
 ``response_format`` is OpenAI's (``text``, ``json_object``, ``json_schema`` with its
 ``name``, ``description``, ``schema`` and ``strict``; every schema is enforced, strict or
 not), plus protocol v1's ``regex`` and ``grammar`` types as extensions.
-Fields OpenAI defines but qvld does not do (tools, logprobs) are refused when they ask
+Fields OpenAI defines but qvld does not do (tools, n > 1) are refused when they ask
 for something, and accepted at their "off" value, because clients send them by default.
 Unknown fields are refused with a did-you-mean.
 Extensions, as llama-server and vLLM accept them: ``top_k``, ``repetition_penalty``,
@@ -32,7 +32,7 @@ from qvld.errors import BadRequest, ImageInvalid, QvlError
 FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "seed", "stop", "presence_penalty", "frequency_penalty", "n", "user", "stream",
-    "stream_options", "response_format",
+    "stream_options", "response_format", "logprobs", "top_logprobs",
     # accepted for what current clients send; they change nothing here (checked types)
     "metadata", "store", "prompt_cache_key", "safety_identifier", "service_tier",
     "verbosity",
@@ -41,7 +41,7 @@ FIELDS = frozenset({
 })
 # name -> the values that ask for nothing (what clients send by default).
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+    "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "functions": (None, []), "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "logit_bias": (None, {}), "prediction": (None,),
@@ -134,6 +134,9 @@ def parse_chat(body: Any, session: str | None = None,
             params[name] = body[name]
     if session is not None:
         params["session"] = session
+    logprobs = _logprobs(body)
+    if logprobs is not None:
+        params["logprobs"] = logprobs
     response_format = _response_format(body.get("response_format"))
     if response_format is not None:
         params["response_format"] = response_format
@@ -201,6 +204,31 @@ def _response_format(value: Any) -> dict[str, Any] | None:
         return dict(value)  # protocol v1's shape: its parser checks the rest
     raise bad("response_format", "response_format.type must be text, json_object, "
               "json_schema (or, as extensions, regex or grammar)")
+
+
+def _logprobs(body: dict[str, Any]) -> int | None:
+    """``logprobs: true`` (and ``top_logprobs``: 0..20 alternatives) -> protocol v1's
+    ``logprobs: N``; None when not asked."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted not in (None, True, False):
+        raise bad("logprobs", "logprobs must be true or false")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)
+                            or not 0 <= top <= 20):
+        raise bad("top_logprobs", "top_logprobs must be an integer within 0..20")
+    if not wanted:
+        if top:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+        return None
+    return top or 0
+
+
+def logprobs_content(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Protocol v1's logprobs entries -> OpenAI's ``logprobs.content``."""
+    def one(entry: dict[str, Any]) -> dict[str, Any]:
+        return {"token": entry["token"], "logprob": entry["logprob"],
+                "bytes": list(entry["token"].encode())}
+
+    return [{**one(e), "top_logprobs": [one(t) for t in e["top"]]} for e in entries]
 
 
 def _stream_options(options: Any, stream: bool) -> bool:
@@ -339,15 +367,19 @@ def completion(result: dict[str, Any], cid: str, created: int, model: str) -> di
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant",
                                                  "content": result["text"]},
-                         "finish_reason": result["finish_reason"], "logprobs": None}],
+                         "finish_reason": result["finish_reason"],
+                         "logprobs": None if result.get("logprobs") is None else
+                         {"content": logprobs_content(result["logprobs"])}}],
             "usage": usage(result), **_extras(result)}
 
 
 def chunk(cid: str, created: int, model: str, delta: dict[str, Any],
-          finish_reason: str | None = None) -> dict[str, Any]:
+          finish_reason: str | None = None,
+          logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                         "logprobs": None}]}
+                         "logprobs": None if logprobs is None else
+                         {"content": logprobs_content(logprobs)}}]}
 
 
 def usage_chunk(result: dict[str, Any], cid: str, created: int, model: str

@@ -622,7 +622,8 @@ class HttpFront:
         # handed over with call_soon_threadsafe, in order), so the end closes the queue.
         task.add_done_callback(lambda _: exchange.events.put_nowait(_END))
         while (event := await exchange.events.get()) is not _END:
-            await send(openai.chunk(*ident, {"content": event["text"]}))
+            await send(openai.chunk(*ident, {"content": event["text"]},
+                                    logprobs=event.get("logprobs")))
         try:
             result = task.result()
         except QvlError as exc:

@@ -13,6 +13,7 @@ import pytest
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
 from qvld.engine.openvino import slice_logits_to_last_position
+from qvld.engine.request import parse_generate
 from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
 from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
 
@@ -296,3 +297,24 @@ def test_dynamic_quantization_setting_reaches_the_runtime(tiny_dir: Path, settin
                            engine=EngineConfig(infer_requests=1)))
     assert engine.models.runtime_properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == expected
     assert len(engine.generate(GenerateRequest(messages=MESSAGES, max_tokens=3)).token_ids) == 3
+
+
+def test_logprobs_leave_the_tokens_alone_and_describe_each(tiny_engine: Engine) -> None:
+    request = GenerateRequest(messages=MESSAGES, max_tokens=12, temperature=0.0)
+    plain = tiny_engine.generate(request)
+    streamed: list[dict[str, Any]] = []
+    asked = tiny_engine.generate(
+        GenerateRequest(messages=MESSAGES, max_tokens=12, temperature=0.0, logprobs=3),
+        on_token=lambda text, ids, logprobs=None: streamed.extend(logprobs or []))
+    assert asked.token_ids == plain.token_ids and plain.logprobs is None
+    assert asked.logprobs is not None and len(asked.logprobs) == len(asked.token_ids)
+    assert [e["token_id"] for e in asked.logprobs] == asked.token_ids
+    assert streamed == asked.logprobs
+    for entry in asked.logprobs:
+        tops = [t["logprob"] for t in entry["top"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert entry["logprob"] <= 0 and tops[0] >= entry["logprob"]
+        # Greedy: the chosen token is among the likeliest.
+        assert entry["token_id"] in [t["token_id"] for t in entry["top"]]
+    with pytest.raises(BadRequest, match="logprobs"):
+        parse_generate({"messages": MESSAGES, "logprobs": 21})

@@ -63,7 +63,9 @@ def test_a_full_request_maps_onto_generate_params() -> None:
 
 @pytest.mark.parametrize("fields, param", [
     ({"n": 2}, "n"), ({"n": True}, "n"), ({"tempreature": 1}, "tempreature"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"logprobs": True}, "logprobs"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"logprobs": "yes"}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21},
+                                             "top_logprobs"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": []}},
