@@ -38,15 +38,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
         d.stop()
 
 
-def ask(daemon: HttpDaemon, key: str, response_format: dict[str, Any],
-        timeout: float = 120) -> tuple[int, float, Any]:
-    body = json.dumps({"messages": [{"role": "user", "content": "Fill it in."}],
-                       "max_tokens": 8, "temperature": 0,
-                       "response_format": response_format}).encode()
+def chat(daemon: HttpDaemon, key: str, body: dict[str, Any],
+         timeout: float = 300) -> tuple[int, float, Any]:
+    """POST a chat completion as ``key``'s user: (status, seconds, reply)."""
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=timeout)
     t0 = time.monotonic()
     try:
-        conn.request("POST", "/v1/chat/completions", body, {
+        conn.request("POST", "/v1/chat/completions", json.dumps(body).encode(), {
             "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
         response = conn.getresponse()
         reply = json.loads(response.read())
@@ -55,21 +53,19 @@ def ask(daemon: HttpDaemon, key: str, response_format: dict[str, Any],
         conn.close()
 
 
-def generate(daemon: HttpDaemon, key: str, max_tokens: int) -> tuple[float, dict[str, object]]:
-    body = json.dumps({"messages": [{"role": "user", "content": "Tell me a story."}],
-                       "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True}).encode()
-    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=300)
-    t0 = time.monotonic()
-    try:
-        conn.request("POST", "/v1/chat/completions", body, {
-            "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-        response = conn.getresponse()
-        reply = json.loads(response.read())
-        assert response.status == 200, reply
-        return time.monotonic() - t0, reply
-    finally:
-        conn.close()
+def ask(daemon: HttpDaemon, key: str, response_format: dict[str, Any],
+        timeout: float = 120) -> tuple[int, float, Any]:
+    return chat(daemon, key, {"messages": [{"role": "user", "content": "Fill it in."}],
+                              "max_tokens": 8, "temperature": 0,
+                              "response_format": response_format}, timeout)
+
+
+def generate(daemon: HttpDaemon, key: str, max_tokens: int) -> tuple[float, dict[str, Any]]:
+    status, seconds, reply = chat(daemon, key, {
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert status == 200, reply
+    return seconds, reply
 
 
 def schema(name: str, properties: int) -> dict[str, Any]:

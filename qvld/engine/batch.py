@@ -146,25 +146,21 @@ class BatchRunner:
     def sequences(self) -> list[dict[str, Any]]:
         """Each generation admitted or waiting for a place: rows fed, tokens so far,
         state and the runtime computing it, for status."""
-        out = []
-        running, _ = self.scheduler.counts()
-        for i, s in enumerate(self.scheduler.sequences()):
-            state = ("waiting" if i >= running else
-                     "prefill" if s.prefilling or s.outside else "decode")
-            out.append({"uid": s.uid, "prompt_tokens": len(s.prompt.ids),
-                        "cached_tokens": s.cached, "fed_tokens": s.fed,
-                        "generated_tokens": s.generated, "state": state,
-                        "preemptions": s.preemptions,
-                        "runtime": self.outside_runtime if s.outside else self.runtime})
-        return out
+        running, waiting = self.scheduler.snapshot()
+        states = ["prefill" if s.prefilling or s.outside else "decode" for s in running]
+        states += ["waiting"] * len(waiting)
+        return [{"uid": s.uid, "prompt_tokens": len(s.prompt.ids), "cached_tokens": s.cached,
+                 "fed_tokens": s.fed, "generated_tokens": s.generated, "state": state,
+                 "preemptions": s.preemptions,
+                 "runtime": self.outside_runtime if s.outside else self.runtime}
+                for s, state in zip([*running, *waiting], states, strict=True)]
 
     def counts(self) -> tuple[int, int]:
         """(decoding, prefilling) sequences admitted, those prefilled by another runtime
         included."""
-        running, _ = self.scheduler.counts()
-        seqs = self.scheduler.sequences()[:running]
-        prefilling = sum(1 for s in seqs if s.prefilling or s.outside)
-        return len(seqs) - prefilling, prefilling
+        running, _ = self.scheduler.snapshot()
+        prefilling = sum(1 for s in running if s.prefilling or s.outside)
+        return len(running) - prefilling, prefilling
 
     # -- the step thread ----------------------------------------------------------------
 

@@ -51,10 +51,6 @@ class Plan:
     stopped: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # newly, this step
 
-    @property
-    def decoders(self) -> int:
-        return sum(1 for seq, _ in self.rows if not seq.prefilling)
-
 
 class StepScheduler:
     def __init__(self, pool: BlockPool, *, max_sequences: int, max_batch_tokens: int,
@@ -103,10 +99,10 @@ class StepScheduler:
                 self._running.remove(seq)
         self.pool.release(seq.lease)
 
-    def sequences(self) -> list[Sequence]:
-        """Running, then waiting."""
+    def snapshot(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(running, waiting), as one moment saw them."""
         with self._lock:
-            return [*self._running, *self._iter_waiting()]
+            return list(self._running), list(self._iter_waiting())
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting)."""

@@ -45,11 +45,6 @@ class SlotWorkers:
         self._closed = False
 
     @property
-    def waiting(self) -> int:
-        with self._lock:
-            return len(self._waiting)
-
-    @property
     def running(self) -> int:
         with self._lock:
             return sum(self._running.values())
