@@ -85,8 +85,10 @@ def test_a_cancelled_or_failing_sequence_leaves_the_others_exact(engine: Engine)
 
     with ThreadPoolExecutor(3) as pool:
         kept = pool.submit(engine.generate, request(keep))
-        cancelled = pool.submit(engine.generate, request(victim, ignore_eos=True),
-                                None, 0, cancel.is_set)
+        # Long enough never to finish before the cancel (its case's few tokens could).
+        long_victim = GenerateRequest(messages=with_image_bytes(victim["messages"], TINY),
+                                      max_tokens=400, temperature=0.0, ignore_eos=True)
+        cancelled = pool.submit(engine.generate, long_victim, None, 0, cancel.is_set)
         failed = pool.submit(engine.generate, request(bad), explode)
         wait_for(failing_started.is_set, what="the failing sequence streamed")
         cancel.set()
