@@ -143,7 +143,7 @@ def test_errors_raise_the_clients_error_classes(daemon: HttpDaemon) -> None:
     assert "max_tokens" in none.value.message
     with pytest.raises(openai.BadRequestError) as tools:
         client.chat.completions.create(model="tiny", messages=hi, tools=[{  # type: ignore[arg-type]
-            "type": "function", "function": {"name": "f", "parameters": {}}}])
+            "type": "function", "function": {"name": "no spaces", "parameters": {}}}])
     assert tools.value.param == "tools"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")

@@ -206,3 +206,38 @@ def test_logprobs_on_the_socket_in_the_result_and_each_token_event(daemon: HttpD
     assert [e["token_id"] for e in result["logprobs"]] == result["token_ids"]
     assert [e for event in events for e in event["logprobs"]] == result["logprobs"]
     assert all(len(e["top"]) == 1 for e in result["logprobs"])
+
+
+def test_min_p_and_chat_template_kwargs_are_applied(daemon: HttpDaemon) -> None:
+    client = daemon.openai()
+    image = "data:image/png;base64," + base64.b64encode(png_declaring_real(32, 32)).decode()
+    two = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                        {"type": "image_url", "image_url": {"url": image}},
+                                        {"type": "text", "text": "Same?"}]}]
+    plain = client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=two, max_tokens=1)
+    numbered = client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=two, max_tokens=1,
+        extra_body={"chat_template_kwargs": {"add_vision_id": True}, "min_p": 0.05})
+    # "Picture 1: " and "Picture 2: " before the images, as Qwen's template writes them.
+    assert numbered.usage.prompt_tokens > plain.usage.prompt_tokens + 4
+    for extra in [{"chat_template_kwargs": {"messages": []}}, {"min_p": 2}]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(  # type: ignore[call-overload]
+                model="tiny", messages=HI, extra_body=extra)
+        assert refused.value.code == "bad_request"
+        assert next(iter(extra)) in refused.value.message
+
+
+def png_declaring_real(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 200, 30)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_legacy_completions_name_the_chat_endpoint(daemon: HttpDaemon) -> None:
+    status, _, body = daemon.request("POST", "/v1/completions", b'{"prompt": "Hi"}',
+                                     {"Content-Type": "application/json"})
+    assert status == 404 and "/v1/chat/completions" in body["error"]["message"]

@@ -242,7 +242,7 @@ REQUEST_CASES: list[tuple[str, dict[str, Any], str | None]] = [
      "frame_too_large"),
     ("session_bad_chars", {"messages": user(), "session": "../../etc"}, "bad_request"),
     ("seed_huge", {"messages": user(), "seed": 2**64 - 1}, "bad_request"),
-    ("role_unknown", {"messages": [{"role": "tool", "content": "x"}]}, "bad_request"),
+    ("role_unknown", {"messages": [{"role": "function", "content": "x"}]}, "bad_request"),
     ("deadline_negative", {"messages": user(), "deadline_s": -1}, "bad_request"),
 ]
 

@@ -59,34 +59,10 @@ QWEN_ADDED_TOKENS: list[tuple[str, bool]] = [
     ("</think>", False),
 ]
 
-# A Qwen-style chat template: system/user/assistant turns, string or part-list content,
-# one vision block per image part; raise_exception on what the model cannot take.
-CHAT_TEMPLATE = """\
-{%- for message in messages %}
-    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
-        {{- raise_exception('Unknown role: ' + message['role']) }}
-    {%- endif %}
-    {%- if message['role'] == 'system' and not loop.first %}
-        {{- raise_exception('The system message must come first') }}
-    {%- endif %}
-    {{- '<|im_start|>' + message['role'] + '\\n' }}
-    {%- if message['content'] is string %}
-        {{- message['content'] }}
-    {%- else %}
-        {%- for part in message['content'] %}
-            {%- if part['type'] == 'image' %}
-                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
-            {%- elif part['type'] == 'text' %}
-                {{- part['text'] }}
-            {%- endif %}
-        {%- endfor %}
-    {%- endif %}
-    {{- '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
+# Qwen3-VL-2B-Instruct's own chat template (tools, video placeholders, add_vision_id),
+# as its model repository ships it.
+CHAT_TEMPLATE = (Path(__file__).with_name("qwen3_vl_chat_template.jinja")
+                 .read_text(encoding="utf-8"))
 
 # Offline corpus for the byte-level BPE: English, code-ish text, and non-ASCII scripts,
 # so that the merges cover what the reference prompts contain.

@@ -147,6 +147,61 @@ IMAGE_CASES: list[dict[str, Any]] = [
 ]
 
 
+# Tool calling through Qwen3-VL's own template (``tools=``, assistant tool_calls, tool
+# results) and its variables (``add_vision_id``); the engine takes the same tools.
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city's name"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                   "required": ["zone"]}}}
+TOOL_CASES: list[dict[str, Any]] = [
+    {
+        "name": "tools_question",
+        "tools": [WEATHER_TOOL, TIME_TOOL],
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "max_new_tokens": 16,
+    },
+    {
+        "name": "tools_with_system_and_image",
+        "tools": [WEATHER_TOOL],
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": [{"type": "image", "image": "photo.png"},
+                                         {"type": "text", "text": "Where is this? "
+                                          "What is the weather there?"}]}],
+        "max_new_tokens": 16,
+    },
+    {
+        "name": "tools_call_and_results",
+        "tools": [WEATHER_TOOL, TIME_TOOL],
+        "messages": [
+            {"role": "user", "content": "Weather and time in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"id": "call_2", "type": "function", "function": {
+                    "name": "get_time", "arguments": '{"zone": "Europe/Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
+        ],
+        "max_new_tokens": 16,
+    },
+    {
+        "name": "vision_ids",
+        "template_kwargs": {"add_vision_id": True},
+        "messages": [{"role": "user", "content": [
+            {"type": "image", "image": "small.png"}, {"type": "image", "image": "gray.png"},
+            {"type": "text", "text": "Which picture is brighter?"}]}],
+        "max_new_tokens": 12,
+    },
+]
+
+
 # Multi-turn sessions: each turn's messages are only the new ones; the daemon appends
 # them to the exact token history (prompt + generated ids) of the turns before.
 SESSION_CASES: list[dict[str, Any]] = [
@@ -302,7 +357,8 @@ def _with_images(messages: list[dict[str, Any]], folder: Path) -> list[dict[str,
     for message in messages:
         content = message["content"]
         if isinstance(content, str):  # the processor wants parts; the template renders both
-            content = [{"type": "text", "text": content}]
+            # (an empty text, e.g. beside tool calls, as no parts: the template tests it)
+            content = [{"type": "text", "text": content}] if content else []
         else:
             content = [
                 {"type": "image", "image": load_reference_image(folder / part["image"])}
@@ -380,6 +436,14 @@ def write_reference(hf_dir: Path, out_dir: Path, preset: str) -> Path:
         )
         ref = generate_reference(model, dict(inputs), case["max_new_tokens"])
         cases.append({**case, **ref})
+    tool_cases = []
+    for case in TOOL_CASES:
+        inputs = processor.apply_chat_template(
+            _with_images(case["messages"], images), tools=case.get("tools"),
+            add_generation_prompt=True, tokenize=True, return_dict=True,
+            return_tensors="pt", **case.get("template_kwargs", {}))
+        tool_cases.append({**case, **generate_reference(model, dict(inputs),
+                                                        case["max_new_tokens"])})
     sessions = [session_reference(processor, model, case, images) for case in SESSION_CASES]
     # The processor's pixel_values and grid per image, each processed on its own.
     pixels: dict[str, Any] = {}
@@ -390,6 +454,7 @@ def write_reference(hf_dir: Path, out_dir: Path, preset: str) -> Path:
         pixels[f"{name}/grid_thw"] = out["image_grid_thw"][0]
     np.savez_compressed(out_dir / "reference_pixels.npz", **pixels)
     path = out_dir / "reference.json"
-    document = {"preset": preset, "images": IMAGES, "cases": cases, "sessions": sessions}
+    document = {"preset": preset, "images": IMAGES, "cases": cases, "sessions": sessions,
+                "tool_cases": tool_cases}
     path.write_text(json.dumps(document, ensure_ascii=False, indent=1))
     return path

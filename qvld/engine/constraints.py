@@ -88,25 +88,26 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _schema_text(schema: Any) -> str:
-    """A schema (a map, or JSON text: deeper than a protocol frame may nest) -> JSON."""
+def schema_text(schema: Any, what: str = "response_format.schema") -> str:
+    """A schema (a map, or JSON text: deeper than a protocol frame may nest) -> JSON;
+    errors name it as ``what``."""
     if isinstance(schema, str):
         if len(schema.encode()) > MAX_SOURCE_BYTES:
-            raise BadRequest(f"response_format.schema is over {MAX_SOURCE_BYTES} bytes")
+            raise BadRequest(f"{what} is over {MAX_SOURCE_BYTES} bytes")
         try:
             schema = json.loads(schema)
         except (ValueError, RecursionError) as exc:
-            raise BadRequest(f"response_format.schema is not valid JSON: {exc}") from None
+            raise BadRequest(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(schema, (dict, bool)):
-        raise BadRequest("response_format.schema must be a JSON Schema (an object)")
+        raise BadRequest(f"{what} must be a JSON Schema (an object)")
     if _depth(schema) > MAX_SCHEMA_DEPTH:
-        raise BadRequest(f"response_format.schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        raise BadRequest(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (ValueError, TypeError) as exc:  # NaN, bytes or other non-JSON values
-        raise BadRequest(f"response_format.schema is not JSON: {exc}") from None
+        raise BadRequest(f"{what} is not JSON: {exc}") from None
     if len(text.encode()) > MAX_SOURCE_BYTES:
-        raise BadRequest(f"response_format.schema is over {MAX_SOURCE_BYTES} bytes")
+        raise BadRequest(f"{what} is over {MAX_SOURCE_BYTES} bytes")
     return text
 
 
@@ -140,7 +141,7 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     if kind == "json_schema":
         if "schema" not in value:
             raise BadRequest("response_format of type json_schema needs a schema")
-        return ResponseFormat("json_schema", _schema_text(value["schema"]))
+        return ResponseFormat("json_schema", schema_text(value["schema"]))
     if kind == "json_object":
         return ResponseFormat("json_object", '{"type":"object"}')
     if kind == "regex":

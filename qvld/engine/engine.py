@@ -57,6 +57,7 @@ from qvld.engine.sessions import (
     kept_ids,
 )
 from qvld.engine.tokenizer import ChatTemplate, TextTokenizer
+from qvld.engine.tools import HeldText, ToolSet, split_calls
 from qvld.engine.types import (
     GenerateRequest,
     GenerateResult,
@@ -236,9 +237,13 @@ class Engine:
         t0 = time.perf_counter()
         checked = self.check(request)
         constraint = None
-        if request.response_format is not None:  # compiles while the images decode
-            constraint = self.grammars.start(request.response_format,
-                                             self.config.engine.grammar_compile_timeout_s,
+        # A response format, or the grammar of a call a request's tool_choice demands:
+        # it compiles while the images decode.
+        fmt = request.response_format
+        if fmt is None and request.tools is not None:
+            fmt = request.tools.response_format()
+        if fmt is not None:
+            constraint = self.grammars.start(fmt, self.config.engine.grammar_compile_timeout_s,
                                              uid)
         session: Session | None = None
         lost = False
@@ -426,13 +431,17 @@ class Engine:
         gen.slot_wait_s = time.monotonic() - gen.enqueued
         request = prepared.request
         turn: Turn | None = None
+        # An answer that may be tool calls streams its text up to the first call.
+        held = None
+        if on_token is not None and request.tools is not None and request.tools.parses:
+            on_token = held = HeldText(on_token)
 
         def job(inputs: TurnInputs) -> RunJob:
             def done(ran: Ran | None, error: BaseException | None) -> None:
                 if error is not None:
                     self._fail(gen, turn, error)
                 else:
-                    self._finish(gen, prepared, turn, inputs, ran)
+                    self._finish(gen, prepared, turn, inputs, ran, held)
 
             return RunJob(gen=gen, owner=self.cache_owner(prepared.uid), inputs=inputs,
                           decoding=self._decoding(prepared, inputs, on_token, gen),
@@ -483,9 +492,10 @@ class Engine:
             logprobs=request.logprobs)
 
     def _finish(self, gen: Generation, prepared: PreparedRequest, turn: Turn | None,
-                inputs: TurnInputs, ran: Ran | None) -> None:
+                inputs: TurnInputs, ran: Ran | None, held: HeldText | None = None) -> None:
         """The result, and the session turn committed when the generation ended normally
-        (so the history is what the client saw)."""
+        (so the history is what the client saw); an answer that is calls of the request's
+        tools split into its content and its calls."""
         try:
             result = (self._cancelled(prepared, gen) if ran is None
                       else self._result(prepared, gen, ran))
@@ -504,12 +514,26 @@ class Engine:
                                       inputs.starts)
                 result.session = SessionInfo(id=request.session, turns=turns,
                                              reset=inputs.reset)
+            if request.tools is not None:
+                self._split_calls(result, request.tools, held)
         except BaseException as exc:
             self._fail(gen, turn, exc)
             return
         if turn is not None:
             self.sessions.end(turn)
         self._settle(gen, result)
+
+    @staticmethod
+    def _split_calls(result: GenerateResult, tools: ToolSet, held: HeldText | None) -> None:
+        """Calls of the tools: finish "tool_calls" and the text before them as the text
+        (a call cut off by the budget is no call: the text stays whole, finish "length");
+        otherwise the text a stream held back goes out now."""
+        split = None if result.finish_reason != "stop" else split_calls(result.text, tools)
+        if split is not None:
+            result.text, result.tool_calls = split
+            result.finish_reason = "tool_calls"
+        if held is not None:
+            held.release(result.text)
 
     def _pin_history(self, uid: int, sid: str, ids: list[int], images: list[PreparedImage],
                      starts: list[int]) -> None:

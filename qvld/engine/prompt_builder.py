@@ -11,6 +11,7 @@ already in the KV cache (or takes their cached embeddings) and lays the prompt o
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -77,11 +78,13 @@ class PromptBuilder:
         ids that follow it: what the template renders after the last assistant turn
         (closing it if generation did not) for the new messages."""
         history = history or []
-        self._check_text_length(checked.shown, self.max_context - len(history))
+        self._check_text_length(checked, self.max_context - len(history))
         if history:
+            # A session's tools are its first turn's: they are shown before the history.
             marker = "\x00qvld-history\x00"
             text = self.template.render([{"role": "assistant", "content": marker},
-                                         *checked.shown], add_generation_prompt=True)
+                                         *checked.shown], add_generation_prompt=True,
+                                        variables=checked.template_kwargs)
             if marker not in text:
                 raise BadRequest("this model's chat template cannot continue a session")
             text = text.split(marker, 1)[1]
@@ -89,7 +92,8 @@ class PromptBuilder:
             if history[-1] in self.spec.generation.eos_token_ids and text.startswith(closing):
                 text = text[len(closing):]  # generation already closed the turn
         else:
-            text = self.template.render(checked.shown, add_generation_prompt=True)
+            text = self.template.render(checked.shown, add_generation_prompt=True,
+                                        tools=checked.tools, variables=checked.template_kwargs)
         budget = PixelBudget.for_request(self.spec.vision, checked.image_tokens)
         prepared = self._prepare_images(checked.images, budget, owner, should_stop)
         ids, starts = expand_image_pads(self.tokenizer.encode(text), self.spec.image_token_id,
@@ -112,13 +116,18 @@ class PromptBuilder:
             prepared.append(image)
         return prepared
 
-    def _check_text_length(self, shown: list[dict[str, Any]], room: int) -> None:
+    def _check_text_length(self, checked: CheckedRequest, room: int) -> None:
         """Refuse text that cannot fit ``room`` tokens before templating and tokenising
         it whole: a 30 MB text part would otherwise cost gigabytes and seconds."""
         left = room - 1  # at least one token is generated
-        texts = [text for message in shown for text in (
+        texts = [text for message in checked.shown for text in (
             [message["content"]] if isinstance(message["content"], str) else
             [part["text"] for part in message["content"] if part["type"] == "text"])]
+        texts += [call["function"]["arguments"] for message in checked.shown
+                  for call in message.get("tool_calls", ())
+                  if isinstance(call["function"]["arguments"], str)]
+        if checked.tools:
+            texts.append(json.dumps(checked.tools, ensure_ascii=False))
         # A token stands for at least one byte: text of no more bytes than the room fits
         # (the usual case), with no counting. Characters first, so that a huge text is
         # not copied to bytes.

@@ -11,6 +11,7 @@ validates anything itself. Every failure is ``bad_request``: any value of any fi
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from qvld.config import EngineConfig, did_you_mean
 from qvld.engine.constraints import parse_response_format
 from qvld.engine.model_dir import GenerationDefaults
 from qvld.engine.sampling import SamplingParams
+from qvld.engine.tools import MAX_TOOLS, parse_tools
 from qvld.engine.types import GenerateRequest
 from qvld.errors import BadRequest
 
@@ -27,9 +29,13 @@ GENERATE_PARAMS = frozenset({
     "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "seed", "stop", "session", "stream",
     "deadline_s", "ignore_eos", "max_image_tokens", "response_format", "logprobs",
+    "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "min_p",
 })
 MAX_TOP_LOGPROBS = 20
-ROLES = frozenset({"system", "user", "assistant"})
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+# What a request's chat_template_kwargs may not set: what the engine passes itself.
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+MAX_TEMPLATE_KWARGS_BYTES = 4096
 
 
 # -- the wire's params -----------------------------------------------------------------
@@ -90,6 +96,27 @@ def _stop(params: dict[str, Any]) -> list[str]:
     return stop
 
 
+def _template_kwargs(value: Any) -> dict[str, Any] | None:
+    """``chat_template_kwargs``: variables for the chat template (e.g. Qwen3-VL's
+    ``add_vision_id``), JSON values, small; never what the engine passes itself."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and k.isidentifier() for k in value):
+        raise BadRequest("chat_template_kwargs must map names to values")
+    taken = sorted(k for k in value if k in TEMPLATE_RESERVED or k.endswith("_token"))
+    if taken:
+        raise BadRequest(f"chat_template_kwargs cannot set {taken[0]!r} (the server "
+                         "passes it to the template itself)")
+    try:
+        size = len(json.dumps(value, allow_nan=False))
+    except (ValueError, TypeError):
+        raise BadRequest("chat_template_kwargs must hold JSON values") from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise BadRequest(f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_BYTES} bytes")
+    return dict(value)
+
+
 def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
     """``generate`` params -> a request and whether to stream."""
     unknown = set(params) - GENERATE_PARAMS
@@ -108,6 +135,13 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise BadRequest(f"logprobs must be within 0..{MAX_TOP_LOGPROBS} (the alternatives "
                          "given beside each token's own log-probability)")
+    response_format = parse_response_format(params.get("response_format"))
+    tools = parse_tools(params.get("tools"), params.get("tool_choice"),
+                        params.get("parallel_tool_calls"))
+    if tools is not None and tools.response_format() is not None \
+            and response_format is not None:
+        raise BadRequest("tool_choice required or a named function cannot be combined with "
+                         "a response_format: the answer is the call")
     request = GenerateRequest(
         messages=params.get("messages"),  # type: ignore[arg-type]  # check() types them
         max_tokens=int_param(params, "max_tokens"),
@@ -122,8 +156,11 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
         ignore_eos=bool_param(params, "ignore_eos"),
         max_image_tokens=int_param(params, "max_image_tokens"),
         session=session,
-        response_format=parse_response_format(params.get("response_format")),
+        response_format=response_format,
         logprobs=logprobs,
+        min_p=number_param(params, "min_p"),
+        tools=tools,
+        template_kwargs=_template_kwargs(params.get("chat_template_kwargs")),
     )
     return request, bool_param(params, "stream")
 
@@ -141,6 +178,10 @@ class CheckedRequest:
     sampling: SamplingParams
     max_tokens: int
     image_tokens: int  # the token budget of each image
+    # What the template lists as the tools (None: none shown), and the request's own
+    # template variables.
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 def sampling(request: GenerateRequest, gen: GenerationDefaults) -> SamplingParams:
@@ -157,6 +198,9 @@ def sampling(request: GenerateRequest, gen: GenerationDefaults) -> SamplingParam
         raise BadRequest("temperature must be within [0, 100]")
     if not 0.0 < top_p <= 1.0:
         raise BadRequest("top_p must be within (0, 1]")
+    min_p = float(pick(request.min_p, 0.0))
+    if not 0.0 <= min_p <= 1.0:
+        raise BadRequest("min_p must be within [0, 1]")
     if top_k < 0:
         raise BadRequest("top_k must be >= 0 (0 = off)")
     if not 0.0 < repetition <= 10.0:
@@ -165,7 +209,7 @@ def sampling(request: GenerateRequest, gen: GenerationDefaults) -> SamplingParam
         raise BadRequest("presence_penalty must be within [-2, 2]")
     if not -2.0 <= request.frequency_penalty <= 2.0:
         raise BadRequest("frequency_penalty must be within [-2, 2]")
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           repetition_penalty=repetition,
                           presence_penalty=float(request.presence_penalty),
                           frequency_penalty=float(request.frequency_penalty),
@@ -207,27 +251,57 @@ def template_messages(messages: Any, max_images: int
         role = message.get("role") if isinstance(message, dict) else None
         if not isinstance(role, str) or role not in ROLES:
             raise BadRequest(f"messages[{n}] needs a role of {sorted(ROLES)}")
+        if role == "system" and n:  # Qwen's template shows a first system message only
+            raise BadRequest(f"messages[{n}]: a system message must come first")
         content = message.get("content")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            content = ""
         if isinstance(content, str):
             shown.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, list):
+        elif isinstance(content, list):
+            shown.append({"role": role, "content": _parts(content, n, images)})
+        else:
             raise BadRequest(f"messages[{n}].content must be a string or a list of parts")
-        parts: list[dict[str, Any]] = []
-        for m, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
-            elif kind == "image" and isinstance(part.get("image"), (bytes, bytearray)):
-                parts.append({"type": "image"})
-                images.append(bytes(part["image"]))
-            else:
-                raise BadRequest(f"messages[{n}].content[{m}] must be "
-                                 "{type: text, text: str} or {type: image, image: bytes}")
-        shown.append({"role": role, "content": parts})
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise BadRequest(f"messages[{n}]: only an assistant message has tool_calls")
+            shown[-1]["tool_calls"] = _tool_calls(message["tool_calls"], n)
     if len(images) > max_images:
         raise BadRequest(f"at most {max_images} images per request")
     return shown, images
+
+
+def _parts(content: list[Any], n: int, images: list[bytes]) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = []
+    for m, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image" and isinstance(part.get("image"), (bytes, bytearray)):
+            parts.append({"type": "image"})
+            images.append(bytes(part["image"]))
+        else:
+            raise BadRequest(f"messages[{n}].content[{m}] must be "
+                             "{type: text, text: str} or {type: image, image: bytes}")
+    return parts
+
+
+def _tool_calls(calls: Any, n: int) -> list[dict[str, Any]]:
+    """An assistant turn's calls as the template shows them (arguments: the JSON text
+    the client has, or an object)."""
+    where = f"messages[{n}].tool_calls"
+    if not isinstance(calls, list) or len(calls) > MAX_TOOLS:
+        raise BadRequest(f"{where} must be a list of at most {MAX_TOOLS} calls")
+    shown = []
+    for m, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, (str, dict)):
+            raise BadRequest(f"{where}[{m}] must be {{id, type: function, function: "
+                             "{name: str, arguments: JSON text or object}}")
+        shown.append({"type": "function", "function": {"name": name, "arguments": arguments}})
+    return shown
 
 
 def check(request: GenerateRequest, limits: EngineConfig, gen: GenerationDefaults
@@ -236,4 +310,6 @@ def check(request: GenerateRequest, limits: EngineConfig, gen: GenerationDefault
     params = sampling(request, gen)
     tokens = max_tokens(request, limits)
     shown, images = template_messages(request.messages, limits.max_images)
-    return CheckedRequest(shown, images, params, tokens, image_tokens(request, limits))
+    tools = None if request.tools is None else request.tools.shown
+    return CheckedRequest(shown, images, params, tokens, image_tokens(request, limits),
+                          tools, request.template_kwargs)

@@ -3,8 +3,10 @@
 Order: repetition penalty (over prompt + generated ids, as transformers'
 RepetitionPenaltyLogitsProcessor), presence penalty (generated ids, OpenAI style),
 frequency penalty (generated ids times their generated counts, OpenAI style), then for
-sampling temperature -> top-k -> top-p. ``temperature == 0`` is argmax after the
-penalties, which is what ``generate(do_sample=False)`` computes.
+sampling temperature -> top-k -> top-p -> min-p (transformers' warper order; min-p
+keeps the tokens at least ``min_p`` times as likely as the likeliest).
+``temperature == 0`` is argmax after the penalties, which is what
+``generate(do_sample=False)`` computes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -91,6 +94,9 @@ class Sampler:
             # Keep the smallest prefix whose mass reaches top_p (at least one token).
             before = np.cumsum(probs) - probs
             keep = int(np.count_nonzero(before < p.top_p)) or 1
+            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+        if p.min_p > 0.0:  # probs are sorted: the first is the likeliest
+            keep = int(np.count_nonzero(probs >= p.min_p * probs[0])) or 1
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
         pick = int(np.searchsorted(np.cumsum(probs), self._rng.random() * probs.sum()))
         return int(order[min(pick, order.size - 1)])

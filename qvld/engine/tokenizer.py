@@ -62,15 +62,21 @@ class ChatTemplate:
             raise ModelInvalid(f"the chat template does not parse: {exc}") from exc
         self._special_tokens = dict(special_tokens or {})
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[dict[str, Any]] | None = None,
+               variables: dict[str, Any] | None = None) -> str:
+        """The prompt text, as ``apply_chat_template(messages, tools=tools,
+        **variables)`` renders it; ``variables`` (a request's ``chat_template_kwargs``,
+        e.g. ``add_vision_id``) cannot replace what is passed here."""
         try:
-            return self._template.render(
-                messages=list(messages),
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
+            return self._template.render({
+                **(variables or {}),
+                "messages": list(messages),
+                "tools": list(tools) if tools else None,
+                "documents": None,
+                "add_generation_prompt": add_generation_prompt,
                 **self._special_tokens,
-            )
+            })
         except jinja2.TemplateError as exc:
             raise BadRequest(f"the chat template refused the messages: {exc}") from exc
 

@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from qvld.engine.constraints import ResponseFormat
+    from qvld.engine.tools import ToolCall, ToolSet
 
-FinishReason = Literal["stop", "length", "cancelled"]
+# "tool_calls": the answer is calls of the request's tools (it stopped after them).
+FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 
 
 @dataclass
@@ -32,6 +34,9 @@ class GenerateRequest:
     response_format: ResponseFormat | None = None  # what the answer must match
     # Each generated token's log-probability and this many alternatives (0..20); None: off.
     logprobs: int | None = None
+    min_p: float | None = None
+    tools: ToolSet | None = None  # the tools it may call, and how
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs
 
 
 @dataclass
@@ -82,6 +87,8 @@ class GenerateResult:
     mask_s: list[float] = field(default_factory=list, repr=False)
     # One entry per generated token when asked (see generate.Decoding).
     logprobs: list[dict[str, Any]] | None = None
+    # The answer's calls of the request's tools (``text`` is what came before them).
+    tool_calls: list[ToolCall] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"text": self.text, "token_ids": self.token_ids,
@@ -91,6 +98,8 @@ class GenerateResult:
             out["session"] = asdict(self.session)
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
+        if self.tool_calls is not None:
+            out["tool_calls"] = [call.to_dict() for call in self.tool_calls]
         return out
 
 

@@ -9,11 +9,15 @@ for the caller to fetch, where the admin allows it.
 ``response_format`` is OpenAI's (``text``, ``json_object``, ``json_schema`` with its
 ``name``, ``description``, ``schema`` and ``strict``; every schema is enforced, strict or
 not), plus protocol v1's ``regex`` and ``grammar`` types as extensions.
-Fields OpenAI defines but qvld does not do (tools, n > 1) are refused when they ask
-for something, and accepted at their "off" value, because clients send them by default.
-Unknown fields are refused with a did-you-mean.
-Extensions, as llama-server and vLLM accept them: ``top_k``, ``repetition_penalty``,
-``max_image_tokens``, ``ignore_eos``, ``session`` (or the ``X-Qvld-Session`` header).
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` go to protocol v1 as they are
+(``qvld.engine.tools``); the answer's calls come back as ``message.tool_calls`` (and, in
+a stream, as ``delta.tool_calls``: each call's id and name, then its arguments).
+Fields OpenAI defines but qvld does not do (legacy ``functions``, audio, ...) are refused
+when they ask for something, and accepted at their "off" value, because clients send
+them by default. Unknown fields are refused with a did-you-mean.
+Extensions, as llama-server and vLLM accept them: ``top_k``, ``min_p``,
+``repetition_penalty``, ``chat_template_kwargs``, ``max_image_tokens``, ``ignore_eos``,
+``session`` (or the ``X-Qvld-Session`` header).
 """
 
 from __future__ import annotations
@@ -27,31 +31,37 @@ from typing import Any
 import pybase64
 
 from qvld.config import did_you_mean
+from qvld.engine.tools import parse_tools
 from qvld.errors import BadRequest, ImageInvalid, QvlError
 
 FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "seed", "stop", "presence_penalty", "frequency_penalty", "n", "user", "stream",
-    "stream_options", "response_format", "logprobs", "top_logprobs",
+    "stream_options", "response_format", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls",
     # accepted for what current clients send; they change nothing here (checked types)
     "metadata", "store", "prompt_cache_key", "safety_identifier", "service_tier",
     "verbosity",
     # extensions
-    "top_k", "repetition_penalty", "max_image_tokens", "ignore_eos", "session",
+    "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "max_image_tokens",
+    "ignore_eos", "session",
 })
 # name -> the values that ask for nothing (what clients send by default).
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "functions": (None, []), "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "logit_bias": (None, {}), "prediction": (None,),
     "audio": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
 }
 # Passed through to protocol v1 as they are (its parser checks types and ranges).
 PASSED = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-          "top_k", "repetition_penalty", "max_image_tokens", "ignore_eos", "session")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-MESSAGE_KEYS = frozenset({"role", "content", "name"})
+          "top_k", "min_p", "repetition_penalty", "max_image_tokens", "ignore_eos", "session",
+          "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
+# A tool message's tool_call_id ties it to a call; Qwen's template shows the results in
+# order, so it is accepted and not used.
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id",
+                          "refusal"})
 IMAGE_TYPES = {"png": b"\x89PNG\r\n\x1a\n", "jpeg": b"\xff\xd8\xff", "gif": b"GIF8",
                "bmp": b"BM"}  # what the engine decodes (image.FORMATS), on both fronts
 DATA_URL = re.compile(r"data:image/([a-z0-9.+-]+)(;[a-z0-9=.+-]+)*;base64,", re.IGNORECASE)
@@ -134,6 +144,7 @@ def parse_chat(body: Any, session: str | None = None,
             params[name] = body[name]
     if session is not None:
         params["session"] = session
+    _tools(body)
     logprobs = _logprobs(body)
     if logprobs is not None:
         params["logprobs"] = logprobs
@@ -206,6 +217,18 @@ def _response_format(value: Any) -> dict[str, Any] | None:
               "json_schema (or, as extensions, regex or grammar)")
 
 
+def _tools(body: dict[str, Any]) -> None:
+    """Checked here too (protocol v1 checks them again), so that an error names its
+    field."""
+    try:
+        parse_tools(body.get("tools"), body.get("tool_choice"),
+                    body.get("parallel_tool_calls"))
+    except BadRequest as exc:
+        field = next((name for name in ("tool_choice", "parallel_tool_calls")
+                      if exc.message.startswith(name)), "tools")
+        raise bad(field, exc.message) from None
+
+
 def _logprobs(body: dict[str, Any]) -> int | None:
     """``logprobs: true`` (and ``top_logprobs``: 0..20 alternatives) -> protocol v1's
     ``logprobs: N``; None when not asked."""
@@ -274,15 +297,21 @@ def _messages(messages: Any) -> tuple[list[dict[str, Any]], list[RemoteImage], l
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
+        shown: dict[str, Any] = {"role": ROLES[role]}
         if isinstance(content, str):
-            out.append({"role": ROLES[role], "content": content})
-            continue
-        if not isinstance(content, list):
+            shown["content"] = content
+        elif isinstance(content, list):
+            shown["content"] = [_part(part, f"{where}.content[{j}]", remote, details)
+                                for j, part in enumerate(content)]
+        else:
             raise bad(f"{where}.content", f"{where}.content must be a string or a list "
                       "of parts")
-        parts = [_part(part, f"{where}.content[{j}]", remote, details)
-                 for j, part in enumerate(content)]
-        out.append({"role": ROLES[role], "content": parts})
+        if message.get("tool_calls") is not None:  # protocol v1 checks their content
+            if role != "assistant":
+                raise bad(f"{where}.tool_calls", f"{where}: only an assistant message "
+                          "has tool_calls")
+            shown["tool_calls"] = message["tool_calls"]
+        out.append(shown)
     return out, remote, details
 
 
@@ -363,10 +392,32 @@ def _extras(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def message(result: dict[str, Any]) -> dict[str, Any]:
+    """The answer as OpenAI's assistant message: content (null beside calls when there is
+    no text), and the calls."""
+    calls = result.get("tool_calls")
+    if not calls:
+        return {"role": "assistant", "content": result["text"]}
+    return {"role": "assistant", "content": result["text"] or None, "tool_calls": calls}
+
+
+def call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stream's tool-call deltas, as OpenAI sends them: each call's index, id, type and
+    name with empty arguments, then its arguments."""
+    deltas: list[dict[str, Any]] = []
+    for i, call in enumerate(calls):
+        function = call["function"]
+        deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                       "function": {"name": function["name"],
+                                                    "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": i, "function": {
+            "arguments": function["arguments"]}}]})
+    return deltas
+
+
 def completion(result: dict[str, Any], cid: str, created: int, model: str) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant",
-                                                 "content": result["text"]},
+            "choices": [{"index": 0, "message": message(result),
                          "finish_reason": result["finish_reason"],
                          "logprobs": None if result.get("logprobs") is None else
                          {"content": logprobs_content(result["logprobs"])}}],

@@ -74,6 +74,10 @@ OnReply = Callable[[str, str, float, int], None]
 UNIX_PREFIX = "unix:"
 
 
+# OpenAI's legacy text completions: a 404 that names the endpoint to use instead.
+LEGACY_PATHS = frozenset({"/v1/completions", "/v1/engines/completions"})
+
+
 @dataclass(frozen=True)
 class Caller:
     """Who an HTTP request comes from: the peer the handlers, scheduler, sessions and
@@ -407,6 +411,9 @@ class HttpFront:
                                                                         "bad_request")
             message = f"{request.method} {request.path} is not served here" \
                 if exc.status in (404, 405) else exc.reason
+            if exc.status == 404 and request.path.rstrip("/") in LEGACY_PATHS:
+                message += ("; this server answers chat completions: POST "
+                            "/v1/chat/completions with messages")
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
             return _error_response(*openai.error_body(code=outcome, message=message),
                                    headers=allow)
@@ -622,8 +629,9 @@ class HttpFront:
         # handed over with call_soon_threadsafe, in order), so the end closes the queue.
         task.add_done_callback(lambda _: exchange.events.put_nowait(_END))
         while (event := await exchange.events.get()) is not _END:
-            await send(openai.chunk(*ident, {"content": event["text"]},
-                                    logprobs=event.get("logprobs")))
+            if event["text"] or event.get("logprobs"):  # not ids alone (a held tool call)
+                await send(openai.chunk(*ident, {"content": event["text"]},
+                                        logprobs=event.get("logprobs")))
         try:
             result = task.result()
         except QvlError as exc:
@@ -640,8 +648,10 @@ class HttpFront:
             await send(openai.error_body(stopped)[1])
             await response.write_eof()
             return response
-        tail: list[dict[str, Any] | str] = [openai.chunk(*ident, {},
-                                                         result["finish_reason"])]
+        tail: list[dict[str, Any] | str] = [
+            *(openai.chunk(*ident, delta) for delta in openai.call_deltas(
+                result.get("tool_calls") or [])),
+            openai.chunk(*ident, {}, result["finish_reason"])]
         if chat.include_usage:
             tail.append(openai.usage_chunk(result, *ident))
         await send(*tail, "[DONE]")

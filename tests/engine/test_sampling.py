@@ -127,6 +127,17 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     assert abs(share - 0.5 / 0.8) < 0.05
 
 
+def test_min_p_keeps_tokens_near_the_likeliest() -> None:
+    probs = np.array([0.5, 0.3, 0.12, 0.08])
+    logits = np.log(probs).astype(np.float32)
+    sampler = Sampler(SamplingParams(temperature=1.0, min_p=0.2, seed=5), [], 4)
+    picks = [sampler.choose(logits.copy()) for _ in range(2000)]
+    assert set(picks) == {0, 1, 2}  # 0.08 < 0.2 * 0.5; 0.12 is not
+    assert abs(picks.count(0) / len(picks) - 0.5 / 0.92) < 0.05
+    only = Sampler(SamplingParams(temperature=1.0, min_p=1.0, seed=5), [], 4)
+    assert {only.choose(logits.copy()) for _ in range(200)} == {0}
+
+
 def test_sampling_follows_the_distribution_and_the_seed() -> None:
     logits = np.log(np.array([0.7, 0.2, 0.1])).astype(np.float32)
 

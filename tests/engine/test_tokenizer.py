@@ -26,10 +26,54 @@ def test_template_renders_parts_system_and_generation_prompt(tiny_dir: Path) -> 
                                add_generation_prompt=False).endswith("assistant\n")
 
 
-def test_raise_exception_in_template_is_bad_request(tiny_dir: Path) -> None:
-    template = ChatTemplate(load_model_spec(tiny_dir, "openvino").chat_template)
+def test_raise_exception_in_template_is_bad_request() -> None:
+    template = ChatTemplate("{% if messages[0].role == 'tool' %}"
+                            "{{ raise_exception('Unknown role: tool') }}{% endif %}")
     with pytest.raises(BadRequest, match="Unknown role"):
         template.render([{"role": "tool", "content": "x"}])
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def test_the_real_template_shows_tools_calls_and_results(tiny_dir: Path) -> None:
+    """Qwen3-VL-2B-Instruct's template (the fixture's) renders as transformers'
+    ``apply_chat_template(messages, tools=...)`` does (checked against it when the
+    template was added; the reference tier compares the token ids)."""
+    spec = load_model_spec(tiny_dir, "openvino")
+    template = ChatTemplate(spec.chat_template, spec.special_tokens)
+    text = template.render([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "18 C"}, {"role": "tool", "content": "sunny"},
+    ], tools=[WEATHER])
+    assert text == (
+        "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to "
+        "assist with the user query.\n\nYou are provided with function signatures within "
+        "<tools></tools> XML tags:\n<tools>\n" + json.dumps(WEATHER) + "\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+        "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+        "{\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\n"
+        "sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_variables_reach_the_template(tiny_dir: Path) -> None:
+    spec = load_model_spec(tiny_dir, "openvino")
+    template = ChatTemplate(spec.chat_template, spec.special_tokens)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}]
+    numbered = template.render(messages, variables={"add_vision_id": True,
+                                                    "messages": "ignored"})
+    assert "Picture 1: <|vision_start|>" in numbered and "Picture 2: " in numbered
+    assert "Picture" not in template.render(messages)
 
 
 def test_template_features_transformers_provides() -> None:

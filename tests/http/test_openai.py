@@ -26,6 +26,11 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}}}
+
+
 def body(**fields: Any) -> dict[str, Any]:
     return {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], **fields}
 
@@ -74,7 +79,12 @@ def test_a_full_request_maps_onto_generate_params() -> None:
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
     ({"model": 3}, "model"), ({"user": "x" * 300}, "user"), ({"stream": "yes"}, "stream"),
     ({"messages": []}, "messages"), ({"messages": "Hi"}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
      "messages[0].tool_calls"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]},

@@ -14,6 +14,7 @@ import pytest
 
 from qvld.engine import Engine, GenerateRequest
 from qvld.engine.image import prepare
+from qvld.engine.tools import parse_tools
 from qvld.engine.vision import (
     position_corners,
     rotary_embedding,
@@ -57,6 +58,17 @@ def test_rebuilt_model_matches_transformers_exactly(rebuilt: dict[str, Path],
         assert case["min_margin"] > 1e-3, case["name"]
         request = GenerateRequest(messages=with_image_bytes(case["messages"], path),
                                   max_tokens=case["max_new_tokens"], temperature=0.0)
+        ids, *_ = engine.tokenize(request)
+        assert ids == case["input_ids"], case["name"]
+        assert engine.generate(request).token_ids == case["token_ids"], case["name"]
+    # Tools and template variables through Qwen3-VL's own template.
+    assert reference["tool_cases"]
+    for case in reference["tool_cases"]:
+        assert case["min_margin"] > 1e-3, case["name"]
+        request = GenerateRequest(messages=with_image_bytes(case["messages"], path),
+                                  max_tokens=case["max_new_tokens"], temperature=0.0,
+                                  tools=parse_tools(case.get("tools")),
+                                  template_kwargs=case.get("template_kwargs"))
         ids, *_ = engine.tokenize(request)
         assert ids == case["input_ids"], case["name"]
         assert engine.generate(request).token_ids == case["token_ids"], case["name"]
@@ -161,6 +173,10 @@ def test_committed_fixture_is_what_the_tool_builds(rebuilt: dict[str, Path]) -> 
         c["input_ids"] for c in committed["cases"]]
     assert [c["token_ids"] for c in reference["cases"]] == [
         c["token_ids"] for c in committed["cases"]]
+    assert [(c["input_ids"], c["token_ids"]) for c in reference["tool_cases"]] == [
+        (c["input_ids"], c["token_ids"]) for c in committed["tool_cases"]]
+    assert (rebuilt["tiny"] / "chat_template.jinja").read_text() == \
+        (TINY / "chat_template.jinja").read_text()
     names = ["openvino_language_model.bin", "openvino_vision_embeddings_merger_model.bin",
              "onnx_language_model.onnx", "onnx_vision_embeddings_merger_model.onnx",
              "tokenizer.json", *(f"images/{f}" for f in committed["images"].values())]
