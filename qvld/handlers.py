@@ -204,14 +204,19 @@ class Handlers:
             return cancelled_result().to_dict()
         rid = ctx.request.id
 
-        def on_token(text: str, ids: list[int],
-                     logprobs: list[dict[str, Any]] | None = None) -> None:
-            ctx.send_event(protocol.token_event(rid, text, ids, logprobs))
+        def events(index: int | None) -> TokenCallback:
+            def on_token(text: str, ids: list[int],
+                         logprobs: list[dict[str, Any]] | None = None) -> None:
+                ctx.send_event(protocol.token_event(rid, text, ids, logprobs, index))
+            return on_token
 
-        result = await self._run(engine, prepared, on_token if stream else None, ctx,
-                                 job_deadline)
+        n = request.n
+        callbacks = [events(i if n > 1 else None) if stream else None for i in range(n)]
+        results = await self._run(engine, prepared, callbacks, ctx, job_deadline)
         if self.metrics is not None:
-            self.metrics.observe_generation(result)
+            for one in results:
+                self.metrics.observe_generation(one)
+        result = results[0]
         t, usage = result.timings, result.usage
         # Typed, unit-named: logging.format json writes each as its own key.
         ctx.log_fields.update(
@@ -225,32 +230,49 @@ class Handlers:
             ctx.log_fields["prompt_text"] = repr(_prompt_text(request.messages))
         if result.finish_reason == "cancelled":
             ctx.outcome = "cancelled"
-        return result.to_dict()
+        if n == 1:
+            return result.to_dict()
+        ctx.log_fields.update(choices=n, generated_tokens=sum(
+            r.usage.completion_tokens for r in results))
+        return choices_result(results)
 
     @staticmethod
-    async def _run(engine: Engine, prepared: PreparedRequest, on_token: TokenCallback | None,
-                   ctx: RequestContext, deadline: float) -> GenerateResult:
-        """The generation, awaited without holding a thread: cancelled when the client
-        leaves, and a Timeout when the deadline passes first (a waiting one ends at once,
-        a running one at its next step)."""
-        gen = engine.submit(prepared, on_token,
-                            should_stop=lambda: time.monotonic() >= deadline)
-        ctx.on_cancel.append(lambda: engine.cancel(gen))
+    async def _run(engine: Engine, prepared: PreparedRequest,
+                   on_tokens: list[TokenCallback | None], ctx: RequestContext,
+                   deadline: float) -> list[GenerateResult]:
+        """The generation (one per choice), awaited without holding a thread: cancelled
+        when the client leaves, and a Timeout when the deadline passes first (a waiting
+        one ends at once, a running one at its next step). A choice that fails ends the
+        others."""
+        gens = engine.submit_choices(prepared, on_tokens,
+                                     should_stop=lambda: time.monotonic() >= deadline)
+
+        def cancel_all() -> None:
+            for gen in gens:
+                engine.cancel(gen)
+
+        ctx.on_cancel.append(cancel_all)
         if ctx.cancelled.is_set():  # the client left while the request was prepared
-            engine.cancel(gen)
-        future = asyncio.wrap_future(gen.future)
+            cancel_all()
+        futures = [asyncio.wrap_future(gen.future) for gen in gens]
+        everything = asyncio.gather(*futures)
         try:
-            result = await asyncio.wait_for(asyncio.shield(future),
-                                            max(0.0, deadline - time.monotonic()) + 0.05)
+            results = await asyncio.wait_for(asyncio.shield(everything),
+                                             max(0.0, deadline - time.monotonic()) + 0.05)
         except asyncio.TimeoutError:
-            engine.cancel(gen)
-            result = await future
-        if (result.finish_reason == "cancelled" and not ctx.cancelled.is_set()
-                and time.monotonic() >= deadline):
-            where = (f"after {len(result.token_ids)} tokens" if gen.started is not None
-                     else "while queued")
-            raise Timeout(f"the deadline passed {where}")
-        return result
+            cancel_all()
+            results = await everything
+        except Exception:
+            cancel_all()  # one choice failed: the others stop too
+            await asyncio.gather(*futures, return_exceptions=True)
+            raise
+        for gen, result in zip(gens, results, strict=True):
+            if (result.finish_reason == "cancelled" and not ctx.cancelled.is_set()
+                    and time.monotonic() >= deadline):
+                where = (f"after {len(result.token_ids)} tokens" if gen.started is not None
+                         else "while queued")
+                raise Timeout(f"the deadline passed {where}")
+        return list(results)
 
     @staticmethod
     async def _compiled(constraint: Constraint, ctx: RequestContext) -> bool:
@@ -352,6 +374,18 @@ class Handlers:
             self._drain(action == "start")
         # this op's own call is not a generation; the others still running are
         return {"state": self.state.state, "in_flight": self.generating}
+
+
+def choices_result(results: list[GenerateResult]) -> dict[str, Any]:
+    """``n`` > 1: the first choice's result, every choice under ``choices`` (index, text,
+    token_ids, finish_reason, and logprobs and tool_calls when there are), and usage
+    counting the prompt once and every choice's tokens."""
+    out = results[0].to_dict()
+    keep = ("text", "token_ids", "finish_reason", "logprobs", "tool_calls")
+    out["choices"] = [{"index": i, **{k: v for k, v in r.to_dict().items() if k in keep}}
+                      for i, r in enumerate(results)]
+    out["usage"]["completion_tokens"] = sum(r.usage.completion_tokens for r in results)
+    return out
 
 
 def _prompt_text(messages: Any) -> str:

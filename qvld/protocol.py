@@ -252,8 +252,12 @@ def error(rid: int | None, exc: QvlError) -> dict[str, Any]:
 
 
 def token_event(rid: int, text: str, token_ids: list[int],
-                logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    event = {"id": rid, "event": "token", "text": text, "token_ids": token_ids}
+                logprobs: list[dict[str, Any]] | None = None,
+                index: int | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = {"id": rid, "event": "token", "text": text,
+                             "token_ids": token_ids}
     if logprobs is not None:  # asked for: one entry per id
         event["logprobs"] = logprobs
+    if index is not None:  # n > 1: which choice the tokens are of
+        event["index"] = index
     return event

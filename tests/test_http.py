@@ -122,7 +122,7 @@ def test_errors_raise_the_clients_error_classes(daemon: HttpDaemon) -> None:
     client = daemon.openai()
     hi = [{"role": "user", "content": "Hi"}]
     with pytest.raises(openai.BadRequestError) as n2:
-        client.chat.completions.create(model="tiny", messages=hi, n=2)  # type: ignore[arg-type]
+        client.chat.completions.create(model="tiny", messages=hi, n=17)  # type: ignore[arg-type]
     assert n2.value.status_code == 400 and n2.value.param == "n"
     assert n2.value.code == "bad_request"
     broken = "data:image/png;base64," + base64.b64encode(

@@ -241,3 +241,40 @@ def test_legacy_completions_name_the_chat_endpoint(daemon: HttpDaemon) -> None:
     status, _, body = daemon.request("POST", "/v1/completions", b'{"prompt": "Hi"}',
                                      {"Content-Type": "application/json"})
     assert status == 404 and "/v1/chat/completions" in body["error"]["message"]
+
+
+def test_n_gives_that_many_choices_streamed_or_not(daemon: HttpDaemon) -> None:
+    client = daemon.openai()
+    ask: dict[str, Any] = {"model": "tiny", "messages": HI, "max_tokens": 6, "n": 2,
+                           "temperature": 1.0, "seed": 3, "extra_body": {"ignore_eos": True}}
+    answer = client.chat.completions.create(**ask)
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert all(c.finish_reason == "length" and c.message.content for c in answer.choices)
+    assert answer.usage.completion_tokens == 12  # both choices count
+    one = client.chat.completions.create(**{**ask, "n": 1, "seed": 4})
+    # Choice 1 is sampled with the seed + 1.
+    assert answer.choices[1].message.content == one.choices[0].message.content
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.message.content for c in answer.choices}
+    assert finishes == {0: "length", 1: "length"}
+    with daemon.client() as socket_client:
+        socket_client.send({"id": 1, "op": "generate", "params": {
+            "messages": HI, "max_tokens": 3, "n": 2, "ignore_eos": True, "stream": True}})
+        indexes, reply = [], None
+        while reply is None:
+            message = socket_client.receive()
+            if message.get("event") == "token":
+                indexes.append(message["index"])
+            else:
+                reply = message
+    assert sorted(set(indexes)) == [0, 1]
+    result = reply["result"]
+    assert [len(c["token_ids"]) for c in result["choices"]] == [3, 3]
+    assert result["usage"]["completion_tokens"] == 6

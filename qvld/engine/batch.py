@@ -123,6 +123,7 @@ class BatchRunner:
             self.on_prefill(runtime, seq.fed - seq.cached)
         if fed and error is None:
             self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
+            seq.prefilled()
         seq.outside = False
         if error is not None or not fed or seq.token is None:
             self.scheduler.finish(seq)
@@ -232,6 +233,7 @@ class BatchRunner:
                 continue
             if not seq.t_prefill:
                 seq.t_prefill = now
+                seq.prefilled()
             try:
                 seq.token = seq.decoding.accept(np.array(logits[i]))
             except Exception as exc:  # this sequence's sampling or streaming only

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -358,20 +358,70 @@ class Engine:
         Busy when ``server.queue_max`` generations wait already. ``should_stop`` is
         polled between images, prefill chunks and decode steps; True ends the
         generation as cancelled (so does ``cancel``)."""
-        gen = Generation(uid=prepared.uid, stop_when=should_stop)
-        # Waiting beyond the places free now (a place: in the step loop, or a slot).
+        return self.submit_choices(prepared, [on_token], should_stop)[0]
+
+    def submit_choices(self, prepared: PreparedRequest,
+                       on_tokens: list[TokenCallback | None],
+                       should_stop: Callable[[], bool] = never) -> list[Generation]:
+        """``len(on_tokens)`` answers to one prompt (``n``), a Generation each, with its
+        own sampler seed (the request's plus its index) and its own grammar matcher.
+
+        With continuous batching and a prefix cache, the first runs alone until its
+        prompt is in the KV cache; the others start then and take its prompt's blocks
+        (one prefill: each computes only the rows of its last, partly filled block).
+        Otherwise all start at once. Busy when the queue cannot take them all."""
+        gens = [Generation(uid=prepared.uid, stop_when=should_stop) for _ in on_tokens]
         running, waiting = self.counts()
         places = (self.batch.scheduler.max_sequences if self.batch is not None
                   else self.workers.workers)
-        if waiting - (places - running) >= self.queue_max:
+        if waiting + len(gens) - 1 - (places - running) >= self.queue_max:
             raise Busy(f"the queue is full ({self.queue_max} waiting); retry shortly")
+        rest = [(gen, self._choice(prepared, i), on_token)
+                for i, (gen, on_token) in enumerate(zip(gens, on_tokens, strict=True)) if i]
+        started = threading.Event()
+
+        def start_rest() -> None:
+            with self._lock:
+                if started.is_set():
+                    return
+                started.set()
+            for gen, choice, on_token in rest:
+                if gen.cancelled.is_set():
+                    self._settle(gen, self._cancelled(choice, gen))
+                    continue
+                try:
+                    self._enqueue(gen, choice, on_token)
+                except Exception as exc:  # shutting down
+                    self._settle(gen, None, exc)
+
+        shared = rest and self.blocks is not None and self.blocks.retain
+        if shared:
+            gens[0].on_prefilled = start_rest
+            gens[0].future.add_done_callback(lambda _: start_rest())
+        self._enqueue(gens[0], prepared, on_tokens[0])
+        if not shared:
+            start_rest()
+        return gens
+
+    def _choice(self, prepared: PreparedRequest, index: int) -> PreparedRequest:
+        """Choice ``index`` of ``n``: the same prompt, its own seed and matcher."""
+        params = prepared.params
+        seed = None if params.seed is None else (params.seed + index) % 2 ** 63
+        constraint = None
+        if prepared.constraint is not None:  # compiled already: a copy of the cached one
+            constraint = self.grammars.start(prepared.constraint.format,
+                                             self.config.engine.grammar_compile_timeout_s,
+                                             prepared.uid)
+        return replace(prepared, params=replace(params, seed=seed), constraint=constraint)
+
+    def _enqueue(self, gen: Generation, prepared: PreparedRequest,
+                 on_token: TokenCallback | None) -> None:
         gen.work = Work(uid=prepared.uid, should_stop=gen.should_stop,
                         run=lambda: self._start(gen, prepared, on_token),
                         on_drop=lambda: self._settle(gen, self._cancelled(prepared, gen)))
         with self._lock:
             self._generations.add(gen)
         self.workers.submit(gen.work)
-        return gen
 
     def cancel(self, gen: Generation) -> None:
         """End ``gen``: at once while it waits, at its next step while it runs."""

@@ -29,8 +29,9 @@ GENERATE_PARAMS = frozenset({
     "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "seed", "stop", "session", "stream",
     "deadline_s", "ignore_eos", "max_image_tokens", "response_format", "logprobs",
-    "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "min_p",
+    "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "min_p", "n",
 })
+MAX_CHOICES = 16  # n: answers to one prompt
 MAX_TOP_LOGPROBS = 20
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # What a request's chat_template_kwargs may not set: what the engine passes itself.
@@ -135,6 +136,11 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise BadRequest(f"logprobs must be within 0..{MAX_TOP_LOGPROBS} (the alternatives "
                          "given beside each token's own log-probability)")
+    n = int_param(params, "n")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n must be within 1..{MAX_CHOICES}")
+    if (n or 1) > 1 and session is not None:
+        raise BadRequest("n > 1 cannot continue a session (a session keeps one history)")
     response_format = parse_response_format(params.get("response_format"))
     tools = parse_tools(params.get("tools"), params.get("tool_choice"),
                         params.get("parallel_tool_calls"))
@@ -161,6 +167,7 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
         min_p=number_param(params, "min_p"),
         tools=tools,
         template_kwargs=_template_kwargs(params.get("chat_template_kwargs")),
+        n=n or 1,
     )
     return request, bool_param(params, "stream")
 

@@ -59,6 +59,9 @@ class Generation:
     seq: Sequence | None = None
     slot_wait_s: float = 0.0
     t_start: float = 0.0
+    # Called (at most once) when its prompt is in the shared KV cache: ``n`` > 1 starts
+    # the other choices then, so that they reuse its prompt's blocks.
+    on_prefilled: Callable[[], None] | None = None
 
     def should_stop(self) -> bool:
         return self.cancelled.is_set() or self.stop_when()
@@ -174,6 +177,7 @@ class StepRunner:
                 job.done((seq.prompt, seq.outcome, t_vision, t_generate), None)
 
         seq.on_done = on_done
+        seq.on_prefilled = job.gen.on_prefilled
         job.gen.seq = seq
         try:
             self.batch.submit(seq)

@@ -35,6 +35,9 @@ class Sequence:
     uid: int = 0  # who asked: fairness is between uids, status shows a user their own
     max_rows: int = 0  # rows it may take in all (prompt + max_tokens, within the context)
     on_done: Callable[[Sequence], None] | None = None
+    # Called once on the step thread when its prompt is in the KV cache (its full blocks
+    # published): other choices of the same prompt may then share them.
+    on_prefilled: Callable[[], None] | None = None
     # Prefilled by another runtime (model.prompt_backend) once admitted.
     prefill_outside: bool = False
     outside: bool = False  # that prefill is running: not in the step's plan
@@ -93,6 +96,12 @@ class Sequence:
             return embeds[0], positions[0], masks[0], deepstack
         return (np.concatenate(embeds), np.concatenate(positions, axis=1),
                 np.concatenate(masks), deepstack)
+
+    def prefilled(self) -> None:
+        """Its prompt is in the KV cache: tell ``on_prefilled``, once."""
+        hook, self.on_prefilled = self.on_prefilled, None
+        if hook is not None:
+            hook()
 
     def preempted(self) -> None:
         """Back to waiting: the token sampled but not fed becomes a row to compute again

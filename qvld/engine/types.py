@@ -37,6 +37,7 @@ class GenerateRequest:
     min_p: float | None = None
     tools: ToolSet | None = None  # the tools it may call, and how
     template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs
+    n: int = 1  # answers to the prompt (choices), each sampled on its own
 
 
 @dataclass

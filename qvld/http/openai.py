@@ -31,6 +31,7 @@ from typing import Any
 import pybase64
 
 from qvld.config import did_you_mean
+from qvld.engine.request import MAX_CHOICES
 from qvld.engine.tools import parse_tools
 from qvld.errors import BadRequest, ImageInvalid, QvlError
 
@@ -124,8 +125,9 @@ def parse_chat(body: Any, session: str | None = None,
     if model is not None and not isinstance(model, str):
         raise bad("model", "model must be a string")
     n = body.get("n")
-    if n is not None and (n != 1 or isinstance(n, bool)):
-        raise bad("n", "n must be 1: this server returns one choice per request")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool)
+                          or not 1 <= n <= MAX_CHOICES):
+        raise bad("n", f"n must be an integer within 1..{MAX_CHOICES}")
     _accepted(body)
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
@@ -144,6 +146,10 @@ def parse_chat(body: Any, session: str | None = None,
             params[name] = body[name]
     if session is not None:
         params["session"] = session
+    if n is not None and n > 1:
+        if "session" in params:
+            raise bad("n", "n > 1 cannot continue a session (a session keeps one history)")
+        params["n"] = n
     _tools(body)
     logprobs = _logprobs(body)
     if logprobs is not None:
@@ -415,20 +421,26 @@ def call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return deltas
 
 
+def choices(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """protocol v1's choices (``n`` > 1), or the result as the one choice."""
+    return list(result.get("choices") or [{"index": 0, **result}])
+
+
 def completion(result: dict[str, Any], cid: str, created: int, model: str) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message(result),
-                         "finish_reason": result["finish_reason"],
-                         "logprobs": None if result.get("logprobs") is None else
-                         {"content": logprobs_content(result["logprobs"])}}],
+            "choices": [{"index": c["index"], "message": message(c),
+                         "finish_reason": c["finish_reason"],
+                         "logprobs": None if c.get("logprobs") is None else
+                         {"content": logprobs_content(c["logprobs"])}}
+                        for c in choices(result)],
             "usage": usage(result), **_extras(result)}
 
 
 def chunk(cid: str, created: int, model: str, delta: dict[str, Any],
           finish_reason: str | None = None,
-          logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          logprobs: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,
                          "logprobs": None if logprobs is None else
                          {"content": logprobs_content(logprobs)}}]}
 

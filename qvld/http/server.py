@@ -611,6 +611,8 @@ class HttpFront:
                     socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
             request.transport.set_write_buffer_limits(high=self.send_buffer_bytes)
 
+        n = int(chat.params.get("n", 1))
+
         async def send(*events: dict[str, Any] | str) -> None:
             nonlocal response
             if response is None:
@@ -618,8 +620,8 @@ class HttpFront:
                     "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                     "X-Accel-Buffering": "no"})
                 await response.prepare(request)
-                events = (openai.chunk(*ident, {"role": "assistant", "content": ""}),
-                          *events)
+                events = (*(openai.chunk(*ident, {"role": "assistant", "content": ""},
+                                         index=i) for i in range(n)), *events)
             data = b"".join(b"data: " + (e if isinstance(e, str) else json.dumps(
                 e, ensure_ascii=False)).encode() + b"\n\n" for e in events)
             # A client that stops reading: the write waits for room at most this long.
@@ -631,7 +633,8 @@ class HttpFront:
         while (event := await exchange.events.get()) is not _END:
             if event["text"] or event.get("logprobs"):  # not ids alone (a held tool call)
                 await send(openai.chunk(*ident, {"content": event["text"]},
-                                        logprobs=event.get("logprobs")))
+                                        logprobs=event.get("logprobs"),
+                                        index=event.get("index", 0)))
         try:
             result = task.result()
         except QvlError as exc:
@@ -648,10 +651,12 @@ class HttpFront:
             await send(openai.error_body(stopped)[1])
             await response.write_eof()
             return response
-        tail: list[dict[str, Any] | str] = [
-            *(openai.chunk(*ident, delta) for delta in openai.call_deltas(
-                result.get("tool_calls") or [])),
-            openai.chunk(*ident, {}, result["finish_reason"])]
+        tail: list[dict[str, Any] | str] = []
+        for choice in openai.choices(result):
+            i = choice["index"]
+            tail += [openai.chunk(*ident, delta, index=i)
+                     for delta in openai.call_deltas(choice.get("tool_calls") or [])]
+            tail.append(openai.chunk(*ident, {}, choice["finish_reason"], index=i))
         if chat.include_usage:
             tail.append(openai.usage_chunk(result, *ident))
         await send(*tail, "[DONE]")

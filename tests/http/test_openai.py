@@ -67,7 +67,7 @@ def test_a_full_request_maps_onto_generate_params() -> None:
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"), ({"n": True}, "n"), ({"tempreature": 1}, "tempreature"),
+    ({"n": 17}, "n"), ({"n": True}, "n"), ({"n": 0}, "n"), ({"tempreature": 1}, "tempreature"),
     ({"tools": [{"type": "function"}]}, "tools"), ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21},
                                              "top_logprobs"),
