@@ -10,7 +10,7 @@ PYTEST = run() { $(BIN)/python -m pytest "$$@"; rc=$$?; \
 
 .PHONY: run test test-slow test-reference lint check-packaging install uninstall deb bench bench-llamacpp \
 	bench-concurrency bench-http bench-int8 bench-first-token bench-structured bench-scaleout \
-	fixtures clean docs lock
+	fixtures clean docs lock browser
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,9 +40,15 @@ test: $(BASE)
 	$(PYTEST) $(XDIST) -m "not reference and not slow"
 
 # The slow tier (load, fuzzing, red-team rounds, installs into sandboxes and a systemd
-# guest); CI runs it after the default tier.
-test-slow: $(BASE)
+# guest, the web page in a browser); CI runs it after the default tier. The browser is
+# Debian's chromium (Playwright's own download cannot be reached); the web page test
+# leaves its screenshots in build/artifacts/.
+test-slow: $(BASE) browser
 	$(PYTEST) $(XDIST) -m "slow and not reference"
+
+browser:
+	command -v chromium >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
 
 test-reference: $(CONVERT)
 	$(PYTEST) -m reference

@@ -339,6 +339,9 @@ class HttpConfig(_Section):
     # Browser origins (scheme://host[:port]) whose pages may call the API (CORS): their
     # preflights are answered and responses to them name them; empty: no CORS headers.
     cors_allow_origins: list[str] = Field(default_factory=list)
+    # The built-in web page at / (ask about an image from a browser; it uses the API
+    # above, with a key when api_keys_file is set). false: / is a 404.
+    web_ui: bool = True
     # image_url parts with detail "low": this image-token budget (≈ 256×256 pixels).
     low_detail_image_tokens: int = Field(64, ge=1)
     # http(s) image URLs: refused unless on, and then only from fetch_allow_hosts

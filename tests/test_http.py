@@ -62,7 +62,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
     # One generation at a time: the disconnect test watches the slot come free.
     d = HttpDaemon(tmp_path_factory.mktemp("http"),
                    args=["--set", "engine.infer_requests=1",
-                         "--set", "engine.max_sequences=1"]).start()
+                         "--set", "engine.max_sequences=1", "--set", "http.web_ui=false"]
+                   ).start()
     try:
         yield d
     finally:
@@ -442,3 +443,10 @@ def test_a_drain_ends_a_stream_with_an_error_event(tmp_path: Path) -> None:
                 pass
     finally:
         assert d.stop() == 0
+
+
+def test_the_web_page_can_be_turned_off(daemon: HttpDaemon) -> None:
+    status, _, body = daemon.request("GET", "/")
+    assert status == 404 and "http.web_ui is off" in body["error"]["message"]
+    assert daemon.request("GET", "/ui/app.js")[0] == 404
+    assert daemon.request("GET", "/health")[0] == 200

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import struct
 import zlib
 from collections.abc import Iterator
@@ -278,3 +279,27 @@ def test_n_gives_that_many_choices_streamed_or_not(daemon: HttpDaemon) -> None:
     result = reply["result"]
     assert [len(c["token_ids"]) for c in result["choices"]] == [3, 3]
     assert result["usage"]["completion_tokens"] == 6
+
+
+def test_the_web_page_is_served_with_a_strict_policy_and_cached(daemon: HttpDaemon) -> None:
+    status, headers, body = daemon.request("GET", "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert 'aria-live="polite"' in body and "/ui/app.js" in body
+    policy = headers["Content-Security-Policy"]
+    assert "default-src 'none'" in policy and "script-src 'self'" in policy
+    assert "connect-src 'self'" in policy and "unsafe" not in policy
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    again, cached, _ = daemon.request("GET", "/", headers={"If-None-Match": headers["ETag"]})
+    assert again == 304 and cached["ETag"] == headers["ETag"]
+    total = len(body.encode())
+    for name, kind in [("app.js", "text/javascript"), ("app.css", "text/css"),
+                       ("icon.svg", "image/svg+xml")]:
+        status, headers, asset = daemon.request("GET", f"/ui/{name}")
+        assert status == 200 and headers["Content-Type"].startswith(kind), name
+        total += len(asset.encode())
+        # Nothing from another origin (an SVG names its XML namespace, loading nothing).
+        assert not re.search(r"https?://", asset.replace('xmlns="http://www.w3.org/2000/svg"',
+                                                         "")), name
+    assert total < 64 * 1024  # a few tens of KB
+    assert daemon.request("GET", "/ui/../qvld.yaml")[0] == 404
+    assert daemon.request("GET", "/ui/nothing.js")[0] == 404

@@ -56,7 +56,7 @@ from qvld.errors import (
     Unavailable,
 )
 from qvld.handlers import DaemonState
-from qvld.http import openai
+from qvld.http import openai, webui
 from qvld.http.body import BodyReader
 from qvld.http.fetch import ImageFetcher, normalize_host_pattern
 from qvld.http.identity import is_loopback, tcp_peer_uid, user_groups
@@ -246,6 +246,7 @@ class HttpFront:
         self._accepting: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
         self._ops: dict[Callable[[web.Request], Awaitable[web.StreamResponse]], str] = {}
+        self._assets = webui.load_assets()
 
     @staticmethod
     def _fetcher(config: HttpConfig) -> ImageFetcher | None:
@@ -291,7 +292,7 @@ class HttpFront:
         # What metrics and logs call each route (the chat completions are "generate").
         self._ops = {self.chat_completions: "generate", self.models: "models",
                      self.health: "health", self.metrics_text: "metrics",
-                     self.preflight: "preflight"}
+                     self.preflight: "preflight", self.web_page: "web"}
         app = web.Application(middlewares=[self._errors])
         app.on_response_prepare.append(self._cors)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -300,6 +301,8 @@ class HttpFront:
         app.router.add_get("/health", self.health)
         if self.serve_metrics:
             app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_get("/", self.web_page)  # http.web_ui, checked per request
+        app.router.add_get("/ui/{name}", self.web_page)
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
             keepalive_timeout=self.config.read_timeout_s, max_field_size=8190,
@@ -697,6 +700,16 @@ class HttpFront:
             return web.json_response(body)
         request["outcome"] = "unavailable"
         return web.json_response(body, status=503, headers={"Retry-After": "1"})
+
+    async def web_page(self, request: web.Request) -> web.StreamResponse:
+        """The built-in page and its files (``webui``); 404 with http.web_ui off."""
+        asset = self._assets.get(request.path) if self.config.web_ui else None
+        if asset is None:
+            request["outcome"] = "not_found"
+            why = "" if self.config.web_ui else " (http.web_ui is off)"
+            return _error_response(*openai.error_body(
+                code="not_found", message=f"GET {request.path} is not served here{why}"))
+        return webui.respond(asset, request)
 
     async def metrics_text(self, request: web.Request) -> web.StreamResponse:
         await self._caller(request)
