@@ -2,7 +2,7 @@
 
 Exit codes: 0 ok; 1 internal error, or the daemon sent a malformed reply; 2 usage
 (also an empty --socket); 3 no daemon answers on the socket, or the connection was
-lost; 4 the request was refused (bad_request, image_invalid, image_too_large,
+lost; 4 the request was refused (bad_request, image_invalid, image_too_large, video_invalid,
 prompt_too_long, frame_too_large, unsupported_version); 5 busy or unavailable (retry
 later; also `health` when not ready, and an answer the daemon cut short, e.g. while
 stopping: `ask --json` still prints it); 6 timeout (also `drain` when the admitted
@@ -86,6 +86,21 @@ def read_image(name: str, base: Path | None = None) -> bytes:
         raise UsageError(f"cannot read image {path}: {exc.strerror or exc}") from exc
 
 
+def is_video(data: bytes) -> bool:
+    """A clip by its first bytes: MP4/MOV (an ftyp box), WebM/Matroska (EBML), AVI."""
+    pictures = (b"heic", b"heix", b"avif", b"mif1", b"msf1")  # ftyp boxes of still images
+    return ((data[4:8] == b"ftyp" and data[8:12] not in pictures)
+            or data[:4] == b"\x1a\x45\xdf\xa3"
+            or (data[:4] == b"RIFF" and data[8:12] == b"AVI "))
+
+
+def media_part(name: str, base: Path | None = None) -> dict[str, Any]:
+    """An image or video part for a file, by what the file is."""
+    data = read_image(name, base)
+    return {"type": "video", "video": data} if is_video(data) else \
+        {"type": "image", "image": data}
+
+
 def messages_from_file(path: Path) -> list[dict[str, Any]]:
     """A JSON array of messages; image parts name files relative to the JSON file."""
     try:
@@ -99,10 +114,11 @@ def messages_from_file(path: Path) -> list[dict[str, Any]]:
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             content = []
             for part in message["content"]:
-                if isinstance(part, dict) and part.get("type") == "image":
-                    if not isinstance(part.get("image"), str):
-                        raise UsageError(f"{path}: an image part needs a file name")
-                    part = {"type": "image", "image": read_image(part["image"], path.parent)}
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image", "video"):
+                    if not isinstance(part.get(kind), str):
+                        raise UsageError(f"{path}: an {kind} part needs a file name")
+                    part = {"type": kind, kind: read_image(part[kind], path.parent)}
                 content.append(part)
             message = {**message, "content": content}
         out.append(message)
@@ -118,8 +134,7 @@ def ask_params(args: argparse.Namespace) -> dict[str, Any]:
         if not args.args:
             raise UsageError("ask needs a QUESTION (after any IMAGE files) or --messages FILE")
         *images, question = args.args
-        content: list[dict[str, Any]] = [{"type": "image", "image": read_image(i)}
-                                         for i in images]
+        content: list[dict[str, Any]] = [media_part(i) for i in images]
         content.append({"type": "text", "text": question})
         messages = []
         if args.system:
@@ -419,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
                          usage="qvlctl ask [IMAGE ...] QUESTION [options]\n"
                                "       qvlctl ask --messages FILE.json [options]")
     ask.add_argument("args", nargs="*", metavar="IMAGE... QUESTION",
-                     help="image files ('-' reads stdin), then the question")
+                     help="image or video files ('-' reads stdin; a video is known by "
+                          "its content: MP4, WebM, MKV, AVI), then the question")
     ask.add_argument("--messages", type=Path, help="a JSON array of messages instead")
     ask.add_argument("--json", action="store_true", help="print the result as one JSON object")
     shape = ask.add_argument_group("answer format (constrained decoding)")

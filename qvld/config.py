@@ -82,6 +82,9 @@ class ModelConfig(_Section):
     # auto (the weights' group size, 128 for per-channel weights), off, or a group size
     # (0 is off; larger than any weight row is pointless; OpenVINO wraps negatives).
     dynamic_quantization: Annotated[int, Field(ge=0, le=65536)] | Literal["auto", "off"] = "auto"
+    # A video's tokens at most (all its frames): fewer frames are sampled, then smaller
+    # ones, to fit; also bounded by the model's own video_preprocessor_config.json.
+    video_max_tokens: int = Field(2048, ge=16, le=32768)
 
     _no_nul_in_paths = field_validator("path", "cache_dir")(_no_nul)
 

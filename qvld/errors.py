@@ -49,6 +49,12 @@ class ImageTooLarge(QvlError):
     code = "image_too_large"
 
 
+class VideoInvalid(QvlError):
+    """A video that cannot be used: not a readable clip, no frames, too long, too large."""
+
+    code = "video_invalid"
+
+
 class PromptTooLong(QvlError):
     code = "prompt_too_long"
 
@@ -89,6 +95,7 @@ ERRORS_BY_CODE: dict[str, type[QvlError]] = {
         FrameTooLarge,
         ImageInvalid,
         ImageTooLarge,
+        VideoInvalid,
         PromptTooLong,
         Busy,
         Timeout,

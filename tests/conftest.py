@@ -104,14 +104,16 @@ def load_reference(path: Path) -> dict[str, Any]:
 
 
 def with_image_bytes(messages: list[dict[str, Any]], model_dir: Path) -> list[dict[str, Any]]:
-    """Reference messages name image files; the engine takes their bytes."""
+    """Reference messages name image and video files; the engine takes their bytes."""
     out = []
     for message in messages:
         content = message["content"]
         if isinstance(content, list):
             content = [
                 {"type": "image", "image": (model_dir / "images" / part["image"]).read_bytes()}
-                if part["type"] == "image" else part
+                if part["type"] == "image" else
+                {"type": "video", "video": (model_dir / "images" / part["video"]).read_bytes()}
+                if part["type"] == "video" else part
                 for part in content
             ]
         out.append({**message, "content": content})

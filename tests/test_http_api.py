@@ -303,3 +303,36 @@ def test_the_web_page_is_served_with_a_strict_policy_and_cached(daemon: HttpDaem
     assert total < 64 * 1024  # a few tens of KB
     assert daemon.request("GET", "/ui/../qvld.yaml")[0] == 404
     assert daemon.request("GET", "/ui/nothing.js")[0] == 404
+
+
+def test_a_clip_through_qvlctl_and_http_video_url(daemon: HttpDaemon, tmp_path: Any) -> None:
+    from tests.conftest import TINY
+
+    clip = TINY / "images" / "clip.mp4"  # H.264 in MP4, 2 s
+    asked = daemon.qvlctl("ask", str(clip), "What happens in this clip?", "--json",
+                          "--max-tokens", "4", "--temperature", "0")
+    assert asked.returncode == 0, asked.stderr
+    result = json.loads(asked.stdout)
+    alone = json.loads(daemon.qvlctl("ask", "What happens in this clip?", "--json",
+                                     "--max-tokens", "4").stdout)
+    assert result["usage"]["prompt_tokens"] > alone["usage"]["prompt_tokens"] + 50
+    url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
+    answer = daemon.openai().chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", max_tokens=4, temperature=0, messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": url}},
+            {"type": "text", "text": "What happens in this clip?"}]}])
+    assert answer.usage.prompt_tokens == result["usage"]["prompt_tokens"]
+    assert answer.choices[0].message.content == result["text"]
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(clip.read_bytes()[: clip.stat().st_size // 2])
+    refused = daemon.qvlctl("ask", str(cut), "What happens?")
+    assert refused.returncode == 4 and b"video_invalid" in refused.stderr + refused.stdout
+    with pytest.raises(openai.BadRequestError) as bad:
+        daemon.openai().chat.completions.create(  # type: ignore[call-overload]
+            model="tiny", messages=[{"role": "user", "content": [
+                {"type": "video_url", "video_url": {
+                    "url": "data:video/mp4;base64," + base64.b64encode(
+                        cut.read_bytes()).decode()}}, {"type": "text", "text": "?"}]}])
+    assert bad.value.code == "video_invalid"
+    again = daemon.qvlctl("ask", "Still there?", "--max-tokens", "2")
+    assert again.returncode == 0

@@ -202,6 +202,40 @@ TOOL_CASES: list[dict[str, Any]] = [
 ]
 
 
+# Videos: sampled, timed and placed as Qwen3VLProcessor does; mixed with images, text
+# and several turns.
+VIDEO_CASES: list[dict[str, Any]] = [
+    {
+        "name": "video_question",
+        "messages": [{"role": "user", "content": [
+            {"type": "video", "video": "clip.mp4"},
+            {"type": "text", "text": "What happens in this clip?"}]}],
+        "max_new_tokens": 16,
+    },
+    {
+        "name": "video_after_an_image_turn",
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": [{"type": "image", "image": "small.png"},
+                                         {"type": "text", "text": "What colours are there?"}]},
+            {"role": "assistant", "content": "Red, green and blue."},
+            {"role": "user", "content": [{"type": "text", "text": "And in this video?"},
+                                         {"type": "video", "video": "clip.webm"}]},
+        ],
+        "max_new_tokens": 16,
+    },
+    {
+        "name": "two_videos_numbered",
+        "template_kwargs": {"add_vision_id": True},
+        "messages": [{"role": "user", "content": [
+            {"type": "video", "video": "clip.mkv"}, {"type": "image", "image": "gray.png"},
+            {"type": "video", "video": "clip.mp4"},
+            {"type": "text", "text": "Which one moves fastest? Answer briefly."}]}],
+        "max_new_tokens": 12,
+    },
+]
+
+
 # Multi-turn sessions: each turn's messages are only the new ones; the daemon appends
 # them to the exact token history (prompt + generated ids) of the turns before.
 SESSION_CASES: list[dict[str, Any]] = [
@@ -290,6 +324,115 @@ def write_images(folder: Path) -> None:
     Image.fromarray(_scene(100, 100, 14)).save(folder / "plain.bmp")
 
 
+# name -> file: short clips of moving scenes, one codec and container each.
+VIDEOS: dict[str, str] = {
+    "h264": "clip.mp4",     # H.264 in MP4, 2 s at 10 fps
+    "vp9": "clip.webm",     # VP9 in WebM, 3 s at 8 fps
+    "hevc": "clip.mkv",     # H.265 in Matroska, 1.5 s at 12 fps
+}
+
+
+def write_video(path: Path, seconds: float, fps: int, width: int, height: int, codec: str,
+                seed: int) -> None:
+    """A moving scene encoded on one thread (deterministic bytes for a given PyAV)."""
+    import av
+    import numpy as np
+
+    base = _scene(height * 2, width * 2, seed)
+    # bitexact: no random segment ids or dates in the container
+    with av.open(str(path), "w", options={"fflags": "+bitexact"}) as out:
+        options = {"libx264": {"threads": "1"},
+                   "libx265": {"x265-params": "pools=1:frame-threads=1:log-level=error"}}
+        stream = out.add_stream(codec, rate=fps, options=options.get(codec, {}))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.thread_count = 1
+        for i in range(int(seconds * fps)):
+            dy, dx = (3 * i) % height, (5 * i) % width  # the scene pans
+            frame = np.ascontiguousarray(base[dy:dy + height, dx:dx + width])
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+
+
+def write_videos(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_video(folder / "clip.mp4", 2.0, 10, 96, 64, "libx264", 21)
+    write_video(folder / "clip.webm", 3.0, 8, 80, 64, "libvpx-vp9", 22)
+    write_video(folder / "clip.mkv", 1.5, 12, 64, 96, "libx265", 23)
+
+
+def load_reference_video(path: Path, video_processor: Any) -> tuple[Any, Any]:
+    """The frames transformers' video processor is given, and their metadata: decoded
+    with PyAV, sampled by the processor's own ``sample_frames``, sized by its own
+    ``smart_resize``, resized with Pillow's bicubic filter (qvld's; transformers' fast
+    processor would use torchvision's, not installable here beside a CPU torch), so that
+    its own resize is the identity."""
+    import av
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+    from transformers.video_utils import VideoMetadata
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        fps = float(stream.average_rate)
+    meta = VideoMetadata(total_num_frames=len(frames), fps=fps, width=frames[0].shape[1],
+                         height=frames[0].shape[0])
+    indices = video_processor.sample_frames(meta)
+    size = video_processor.size
+    height, width = smart_resize(len(indices), frames[0].shape[0], frames[0].shape[1],
+                                 temporal_factor=video_processor.temporal_patch_size,
+                                 factor=video_processor.patch_size * video_processor.merge_size,
+                                 min_pixels=size["shortest_edge"],
+                                 max_pixels=size["longest_edge"])
+    picked = [np.asarray(Image.fromarray(frames[i]).resize((width, height),
+                                                           Image.Resampling.BICUBIC))
+              for i in indices]
+    meta.frames_indices = [int(i) for i in indices]
+    return np.stack(picked), meta
+
+
+def video_case_inputs(processor: Any, case: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A case with videos (and images): the template's text, then the processor with the
+    frames (its own timestamps, placeholders, patches) and the images."""
+    import torch
+    import transformers.image_processing_utils_fast as fast
+    from transformers.image_utils import PILImageResampling
+
+    # Without torchvision: the fast processor's two torchvision calls on this path (the
+    # resize mode lookup; normalize, here (x - mean) / std as torchvision computes it).
+    class _Normalize:
+        @staticmethod
+        def normalize(x: Any, mean: Any, std: Any) -> Any:
+            mean_t = torch.as_tensor(mean, dtype=x.dtype).view(-1, 1, 1)
+            std_t = torch.as_tensor(std, dtype=x.dtype).view(-1, 1, 1)
+            return x.sub(mean_t).div(std_t)
+
+    fast.pil_torch_interpolation_mapping = {m: m.name.lower() for m in PILImageResampling}
+    fast.tvF = _Normalize  # type: ignore[attr-defined]
+    images, videos, metas = [], [], []
+    for message in case["messages"]:
+        if isinstance(message["content"], str):
+            continue
+        for part in message["content"]:
+            if part["type"] == "image":
+                images.append(load_reference_image(folder / part["image"]))
+            elif part["type"] == "video":
+                frames, meta = load_reference_video(folder / part["video"],
+                                                    processor.video_processor)
+                videos.append(frames)
+                metas.append(meta)
+    text = processor.apply_chat_template(
+        _with_images(case["messages"], folder, load=False), add_generation_prompt=True,
+        tokenize=False, **case.get("template_kwargs", {}))
+    return dict(processor(text=[text], images=images or None, videos=videos,
+                          videos_kwargs={"video_metadata": metas, "do_resize": False,
+                                         "do_sample_frames": False},
+                          return_tensors="pt"))
+
+
 def load_reference_image(path: Path) -> Any:
     """The image transformers is given: EXIF-rotated, RGB, transparency on white.
 
@@ -352,7 +495,8 @@ def generate_reference(model: Any, inputs: dict[str, Any], max_new_tokens: int) 
     }
 
 
-def _with_images(messages: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
+def _with_images(messages: list[dict[str, Any]], folder: Path,
+                 load: bool = True) -> list[dict[str, Any]]:
     out = []
     for message in messages:
         content = message["content"]
@@ -362,7 +506,8 @@ def _with_images(messages: list[dict[str, Any]], folder: Path) -> list[dict[str,
         else:
             content = [
                 {"type": "image", "image": load_reference_image(folder / part["image"])}
-                if part["type"] == "image" else part
+                if part["type"] == "image" and load else
+                {"type": part["type"]} if part["type"] in ("image", "video") else part
                 for part in content
             ]
         out.append({**message, "content": content})
@@ -444,6 +589,12 @@ def write_reference(hf_dir: Path, out_dir: Path, preset: str) -> Path:
             return_tensors="pt", **case.get("template_kwargs", {}))
         tool_cases.append({**case, **generate_reference(model, dict(inputs),
                                                         case["max_new_tokens"])})
+    write_videos(images)
+    video_cases = []
+    for case in VIDEO_CASES:
+        inputs = video_case_inputs(processor, case, images)
+        video_cases.append({**case, **generate_reference(model, inputs,
+                                                         case["max_new_tokens"])})
     sessions = [session_reference(processor, model, case, images) for case in SESSION_CASES]
     # The processor's pixel_values and grid per image, each processed on its own.
     pixels: dict[str, Any] = {}
@@ -455,6 +606,6 @@ def write_reference(hf_dir: Path, out_dir: Path, preset: str) -> Path:
     np.savez_compressed(out_dir / "reference_pixels.npz", **pixels)
     path = out_dir / "reference.json"
     document = {"preset": preset, "images": IMAGES, "cases": cases, "sessions": sessions,
-                "tool_cases": tool_cases}
+                "tool_cases": tool_cases, "videos": VIDEOS, "video_cases": video_cases}
     path.write_text(json.dumps(document, ensure_ascii=False, indent=1))
     return path

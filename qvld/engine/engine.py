@@ -166,7 +166,8 @@ class Engine:
         self.prompts = PromptBuilder(self.spec, self.tokenizer, self.template, self.images,
                                      config.engine.max_decode_pixels, self.max_context,
                                      one_encoder_at_a_time=self.batch is not None,
-                                     context_set_by=self.context_set_by)
+                                     context_set_by=self.context_set_by,
+                                     video_max_tokens=config.model.video_max_tokens)
         # Structured output: compiled on threads of its own, beside images and prefill.
         self.grammars = GrammarCompiler(config.model.path / "tokenizer.json",
                                         self.spec.vocab_size,

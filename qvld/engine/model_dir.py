@@ -48,6 +48,40 @@ class VisionSpec:
 
 
 @dataclass(frozen=True)
+class VideoSpec:
+    """video_preprocessor_config.json, or transformers' Qwen3VLVideoProcessor defaults:
+    frames sampled at ``fps`` (at least ``min_frames``, at most ``max_frames``), and the
+    pixels of all sampled frames together within [min_pixels, max_pixels]."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 128 * 32 * 32
+    max_pixels: int = 768 * 32 * 32
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+
+
+def load_video_spec(path: Path) -> VideoSpec:
+    file = path / "video_preprocessor_config.json"
+    if not file.is_file():
+        return VideoSpec()
+    pre = _read_json(file)
+    size = pre.get("size") or {}
+    default = VideoSpec()
+    return VideoSpec(
+        fps=float(pre.get("fps") or default.fps),
+        min_frames=int(pre.get("min_frames") or default.min_frames),
+        max_frames=int(pre.get("max_frames") or default.max_frames),
+        min_pixels=int(size.get("shortest_edge") or default.min_pixels),
+        max_pixels=int(size.get("longest_edge") or default.max_pixels),
+        image_mean=_rgb(pre.get("image_mean") or default.image_mean),
+        image_std=_rgb(pre.get("image_std") or default.image_std),
+        rescale_factor=float(pre.get("rescale_factor") or default.rescale_factor))
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     path: Path
     name: str
@@ -64,6 +98,8 @@ class ModelSpec:
     generation: GenerationDefaults
     chat_template: str
     special_tokens: dict[str, str]
+    video_token_id: int = -1
+    video: VideoSpec = VideoSpec()
 
     def ir(self, submodel: str) -> Path:
         return ir_path(self.path, submodel)
@@ -218,6 +254,8 @@ def load_model_spec(path: Path, backend: str) -> ModelSpec:
             generation=generation,
             chat_template=find_chat_template(path, tok_config),
             special_tokens=specials,
+            video_token_id=int(config.get("video_token_id", -1)),
+            video=load_video_spec(path),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelInvalid(f"{path}: incomplete model configuration ({exc!r})") from exc

@@ -26,9 +26,13 @@ from qvld.engine.model_dir import ModelSpec
 from qvld.engine.request import CheckedRequest
 from qvld.engine.sessions import dropped
 from qvld.engine.slots import Slot
-from qvld.engine.tokenizer import ChatTemplate, TextTokenizer, expand_image_pads
+from qvld.engine.tokenizer import ChatTemplate, TextTokenizer, expand_visual_pads
+from qvld.engine.video import PreparedVideo, VideoStopped, prepare_video
 from qvld.engine.vision import ImageEmbedding, encode_image
 from qvld.errors import BadRequest, PromptTooLong
+
+# Qwen's vision tokens, as its chat template writes them.
+VISION_START, VIDEO_PAD, VISION_END = "<|vision_start|>", "<|video_pad|>", "<|vision_end|>"
 
 
 class PrepareStopped(Exception):
@@ -56,8 +60,10 @@ class PromptBuilder:
     def __init__(self, spec: ModelSpec, tokenizer: TextTokenizer, template: ChatTemplate,
                  images: ImageCache, max_decode_pixels: int, max_context: int,
                  one_encoder_at_a_time: bool = False,
-                 context_set_by: str = "engine.max_context_tokens") -> None:
+                 context_set_by: str = "engine.max_context_tokens",
+                 video_max_tokens: int = 2048) -> None:
         self.spec = spec
+        self.video_max_tokens = video_max_tokens  # model.video_max_tokens
         self.context_set_by = context_set_by  # what sets max_context, for messages
         # With continuous batching the vision encoder runs beside the language model's
         # steps; each inference already takes every core, so encoders running at once
@@ -96,9 +102,38 @@ class PromptBuilder:
                                         tools=checked.tools, variables=checked.template_kwargs)
         budget = PixelBudget.for_request(self.spec.vision, checked.image_tokens)
         prepared = self._prepare_images(checked.images, budget, owner, should_stop)
-        ids, starts = expand_image_pads(self.tokenizer.encode(text), self.spec.image_token_id,
-                                        [p.tokens for p in prepared])
-        return ids, prepared, starts
+        videos = self._prepare_videos(checked.videos, should_stop)
+        text = self._place_videos(text, videos)
+        groups = [group for video in videos for group in video.groups]
+        image_id, video_id = self.spec.image_token_id, self.spec.video_token_id
+        ids, found = expand_visual_pads(self.tokenizer.encode(text), {
+            image_id: [p.tokens for p in prepared], video_id: [g.tokens for g in groups]})
+        items = [prepared[n] if token == image_id else groups[n] for token, n, _ in found]
+        return ids, items, [start for _, _, start in found]
+
+    def _prepare_videos(self, videos: list[bytes], should_stop: Callable[[], bool]
+                        ) -> list[PreparedVideo]:
+        out = []
+        for data in videos:
+            try:
+                out.append(prepare_video(data, self.spec.vision, self.spec.video,
+                                         self.video_max_tokens, self.max_decode_pixels,
+                                         should_stop))
+            except VideoStopped as exc:
+                raise PrepareStopped(str(exc)) from None
+        return out
+
+    @staticmethod
+    def _place_videos(text: str, videos: list[PreparedVideo]) -> str:
+        """Each video's one placeholder -> its frame groups with their timestamps, in
+        order (as Qwen3VLProcessor does before tokenising)."""
+        one = VISION_START + VIDEO_PAD + VISION_END
+        placed = "\x00qvld-video-pad\x00"  # not a place for the next video
+        for video in videos:
+            if one not in text:
+                raise BadRequest("this model's chat template has no place for a video")
+            text = text.replace(one, video.placeholder(VISION_START, placed, VISION_END), 1)
+        return text.replace(placed, VIDEO_PAD)
 
     def _prepare_images(self, images: list[bytes], budget: PixelBudget, owner: int | None,
                         should_stop: Callable[[], bool]) -> list[PreparedImage]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from qvld import protocol
@@ -189,6 +189,7 @@ class CheckedRequest:
     # template variables.
     tools: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
+    videos: list[bytes] = field(default_factory=list)  # the videos' bytes, in order
 
 
 def sampling(request: GenerateRequest, gen: GenerationDefaults) -> SamplingParams:
@@ -246,13 +247,17 @@ def image_tokens(request: GenerateRequest, limits: EngineConfig) -> int:
     return min(tokens, limits.max_image_tokens)
 
 
+MAX_VIDEOS = 4  # per request
+
+
 def template_messages(messages: Any, max_images: int
-                      ) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """Messages as the template sees them, and the image bytes."""
+                      ) -> tuple[list[dict[str, Any]], list[bytes], list[bytes]]:
+    """Messages as the template sees them, the image bytes and the video bytes."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
     shown: list[dict[str, Any]] = []
     images: list[bytes] = []
+    videos: list[bytes] = []
     for n, message in enumerate(messages):
         # The role may be any msgpack value: test its type before hashing it.
         role = message.get("role") if isinstance(message, dict) else None
@@ -266,7 +271,7 @@ def template_messages(messages: Any, max_images: int
         if isinstance(content, str):
             shown.append({"role": role, "content": content})
         elif isinstance(content, list):
-            shown.append({"role": role, "content": _parts(content, n, images)})
+            shown.append({"role": role, "content": _parts(content, n, images, videos)})
         else:
             raise BadRequest(f"messages[{n}].content must be a string or a list of parts")
         if message.get("tool_calls") is not None:
@@ -275,10 +280,13 @@ def template_messages(messages: Any, max_images: int
             shown[-1]["tool_calls"] = _tool_calls(message["tool_calls"], n)
     if len(images) > max_images:
         raise BadRequest(f"at most {max_images} images per request")
-    return shown, images
+    if len(videos) > MAX_VIDEOS:
+        raise BadRequest(f"at most {MAX_VIDEOS} videos per request")
+    return shown, images, videos
 
 
-def _parts(content: list[Any], n: int, images: list[bytes]) -> list[dict[str, Any]]:
+def _parts(content: list[Any], n: int, images: list[bytes],
+           videos: list[bytes]) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     for m, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -287,9 +295,13 @@ def _parts(content: list[Any], n: int, images: list[bytes]) -> list[dict[str, An
         elif kind == "image" and isinstance(part.get("image"), (bytes, bytearray)):
             parts.append({"type": "image"})
             images.append(bytes(part["image"]))
+        elif kind == "video" and isinstance(part.get("video"), (bytes, bytearray)):
+            parts.append({"type": "video"})
+            videos.append(bytes(part["video"]))
         else:
-            raise BadRequest(f"messages[{n}].content[{m}] must be "
-                             "{type: text, text: str} or {type: image, image: bytes}")
+            raise BadRequest(f"messages[{n}].content[{m}] must be {{type: text, text: "
+                             "str}, {type: image, image: bytes} or {type: video, video: "
+                             "bytes}")
     return parts
 
 
@@ -316,7 +328,7 @@ def check(request: GenerateRequest, limits: EngineConfig, gen: GenerationDefault
     """``request`` against the engine's limits and the model's defaults."""
     params = sampling(request, gen)
     tokens = max_tokens(request, limits)
-    shown, images = template_messages(request.messages, limits.max_images)
+    shown, images, videos = template_messages(request.messages, limits.max_images)
     tools = None if request.tools is None else request.tools.shown
     return CheckedRequest(shown, images, params, tokens, image_tokens(request, limits),
-                          tools, request.template_kwargs)
+                          tools, request.template_kwargs, videos)

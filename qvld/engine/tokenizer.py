@@ -178,6 +178,32 @@ def expand_image_pads(ids: Sequence[int], image_token_id: int,
     return out, starts
 
 
+def expand_visual_pads(ids: Sequence[int], spans: dict[int, Sequence[int]]
+                       ) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """``expand_image_pads`` for several kinds (image pads, video pads): ``spans`` maps
+    each pad id to its spans' token counts in order. Returns the ids and, in prompt
+    order, (pad id, index among that pad's spans, start row)."""
+    out: list[int] = []
+    found: list[tuple[int, int, int]] = []
+    used = dict.fromkeys(spans, 0)
+    for token in ids:
+        counts = spans.get(token)
+        if counts is None:
+            out.append(token)
+            continue
+        n = used[token]
+        if n >= len(counts):
+            raise BadRequest("the prompt has more image or video placeholders than "
+                             "images and videos")
+        used[token] = n + 1
+        found.append((token, n, len(out)))
+        out.extend([token] * counts[n])
+    if any(used[t] != len(c) for t, c in spans.items()):
+        raise BadRequest("the prompt's image and video placeholders do not match its "
+                         "images and videos")
+    return out, found
+
+
 class IncrementalText:
     """Text of a growing id list, released only up to complete UTF-8 characters.
 

@@ -33,7 +33,7 @@ import pybase64
 from qvld.config import did_you_mean
 from qvld.engine.request import MAX_CHOICES
 from qvld.engine.tools import parse_tools
-from qvld.errors import BadRequest, ImageInvalid, QvlError
+from qvld.errors import BadRequest, ImageInvalid, QvlError, VideoInvalid
 
 FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -66,11 +66,14 @@ MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id
 IMAGE_TYPES = {"png": b"\x89PNG\r\n\x1a\n", "jpeg": b"\xff\xd8\xff", "gif": b"GIF8",
                "bmp": b"BM"}  # what the engine decodes (image.FORMATS), on both fronts
 DATA_URL = re.compile(r"data:image/([a-z0-9.+-]+)(;[a-z0-9=.+-]+)*;base64,", re.IGNORECASE)
+VIDEO_DATA_URL = re.compile(r"data:video/([a-z0-9.+-]+)(;[a-z0-9=.+-]+)*;base64,",
+                            re.IGNORECASE)
 MAX_USER_CHARS = 256
 
 # HTTP status by error code, and the error "type" OpenAI's clients show.
 STATUS = {"bad_request": 400, "unsupported_version": 400, "image_invalid": 400,
-          "image_too_large": 400, "prompt_too_long": 400, "frame_too_large": 413,
+          "image_too_large": 400, "video_invalid": 400, "prompt_too_long": 400,
+          "frame_too_large": 413,
           "invalid_api_key": 401, "forbidden": 403, "not_found": 404,
           "method_not_allowed": 405, "busy": 429, "unavailable": 503, "timeout": 504,
           "internal": 500}
@@ -90,10 +93,12 @@ def bad(param: str, message: str) -> BadRequest:
 
 @dataclass
 class RemoteImage:
-    """An http(s) image_url part: fetched by the caller, its bytes put in ``part``."""
+    """An http(s) image_url (or video_url) part: fetched by the caller, its bytes put in
+    ``part[kind]``."""
 
     url: str
     part: dict[str, Any]
+    kind: str = "image"
 
 
 @dataclass
@@ -329,8 +334,11 @@ def _part(part: Any, where: str, remote: list[RemoteImage],
         if not isinstance(text, str):
             raise bad(f"{where}.text", f"{where}.text must be a string")
         return {"type": "text", "text": text}
+    if kind == "video_url":
+        return _video_part(part, where, remote)
     if kind != "image_url":
-        raise bad(f"{where}.type", f"{where} must be {{type: text}} or {{type: image_url}}")
+        raise bad(f"{where}.type", f"{where} must be {{type: text}}, {{type: image_url}} "
+                  "or {type: video_url}")
     image = part.get("image_url")
     if isinstance(image, str):  # some clients send the URL itself
         image = {"url": image}
@@ -350,6 +358,34 @@ def _part(part: Any, where: str, remote: list[RemoteImage],
         return placeholder
     raise bad(f"{where}.image_url.url", f"{where}.image_url.url must be a data: URL "
               "(or http(s) where the server fetches images)")
+
+
+def _video_part(part: dict[str, Any], where: str,
+                remote: list[RemoteImage]) -> dict[str, Any]:
+    """``{type: video_url, video_url: {url}}`` (vLLM's shape): a data: URL of a clip, or
+    an http(s) URL fetched under the image rules."""
+    video = part.get("video_url")
+    if isinstance(video, str):
+        video = {"url": video}
+    url = video.get("url") if isinstance(video, dict) else None
+    if not isinstance(url, str):
+        raise bad(f"{where}.video_url.url", f"{where}.video_url.url must be a string")
+    if url[:5].lower() == "data:":
+        match = VIDEO_DATA_URL.match(url)
+        if match is None:
+            raise VideoInvalid(f"{where}: a video data URL must be "
+                               "data:video/<type>;base64,<data>")
+        try:
+            data = pybase64.b64decode(url[match.end():].encode("ascii"), validate=True)
+        except (binascii.Error, ValueError, UnicodeEncodeError):
+            raise VideoInvalid(f"{where}: the data URL is not valid base64") from None
+        return {"type": "video", "video": data}
+    if url[:7].lower() == "http://" or url[:8].lower() == "https://":
+        placeholder: dict[str, Any] = {"type": "video", "video": None}
+        remote.append(RemoteImage(url, placeholder, "video"))
+        return placeholder
+    raise bad(f"{where}.video_url.url", f"{where}.video_url.url must be a data: URL "
+              "(or http(s) where the server fetches URLs)")
 
 
 def data_url_bytes(url: str, where: str = "image_url") -> bytes:

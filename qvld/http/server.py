@@ -553,7 +553,8 @@ class HttpFront:
             raise openai.bad("messages", "this server does not fetch image URLs "
                              "(http.fetch_image_urls is off); send images as data: URLs")
         for image in chat.remote_images:
-            image.part["image"] = await self.fetcher.fetch(image.url, _not_an_image)
+            image.part[image.kind] = await self.fetcher.fetch(
+                image.url, _not_an_image if image.kind == "image" else None)
 
     async def _generate(self, request: web.Request, chat: openai.ChatRequest, peer: Peer,
                         fields: dict[str, Any]) -> tuple[web.StreamResponse, str]:

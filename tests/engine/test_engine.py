@@ -246,7 +246,7 @@ def test_cancellation_between_steps(tiny_engine: Engine) -> None:
         ([], {}),
         ([{"role": "robot", "content": "hi"}], {}),
         ([{"role": "user", "content": 3}], {}),
-        ([{"role": "user", "content": [{"type": "video", "video": b""}]}], {}),
+        ([{"role": "user", "content": [{"type": "audio", "audio": b""}]}], {}),
         ([{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}], {}),
         (MESSAGES, {"max_tokens": 0}),
         (MESSAGES, {"max_tokens": 2**31}),

@@ -38,8 +38,9 @@ def test_a_waiting_user_preempts_the_one_holding_every_place_and_no_token_change
     engine = Engine(parity_config(TINY, infer_requests=2, max_sequences=2, prefill_chunk=16))
     assert engine.batch is not None
     scheduler = engine.batch.scheduler
-    long_greedy = ask(120, "image_photo")
-    long_sampled = ask(120, temperature=1.0, seed=7)
+    # Long enough that neither can end while bob's request is prepared on a loaded box.
+    long_greedy = ask(400, "image_photo")
+    long_sampled = ask(400, temperature=1.0, seed=7)
     alices = [submit(engine, long_greedy, ALICE), submit(engine, long_sampled, ALICE)]
     wait_for(lambda: all(g.seq is not None and g.seq.generated > 5 for g in alices), 30,
              "alice's two generations to decode")
@@ -55,7 +56,7 @@ def test_a_waiting_user_preempts_the_one_holding_every_place_and_no_token_change
     assert answer.token_ids == alone.generate(ask(8, "image_gray")).token_ids
     assert results[0].token_ids == alone.generate(long_greedy).token_ids
     assert results[1].token_ids == alone.generate(long_sampled).token_ids
-    assert answer.timings.queue_s < 5 and results[0].usage.completion_tokens == 120
+    assert answer.timings.queue_s < 5 and results[0].usage.completion_tokens == 400
     assert engine.blocks is not None and engine.blocks.stats()["held"] == 0
 
 

@@ -72,6 +72,16 @@ def test_rebuilt_model_matches_transformers_exactly(rebuilt: dict[str, Path],
         ids, *_ = engine.tokenize(request)
         assert ids == case["input_ids"], case["name"]
         assert engine.generate(request).token_ids == case["token_ids"], case["name"]
+    # Videos (sampled, timed, placed and encoded as Qwen3VLProcessor and the model do).
+    assert reference["video_cases"]
+    for case in reference["video_cases"]:
+        assert case["min_margin"] > 1e-3, case["name"]
+        request = GenerateRequest(messages=with_image_bytes(case["messages"], path),
+                                  max_tokens=case["max_new_tokens"], temperature=0.0,
+                                  template_kwargs=case.get("template_kwargs"))
+        ids, *_ = engine.tokenize(request)
+        assert ids == case["input_ids"], case["name"]
+        assert engine.generate(request).token_ids == case["token_ids"], case["name"]
     # Multi-turn sessions: each follow-up equals transformers on the exact sequence.
     assert reference["sessions"]
     for session in reference["sessions"]:
@@ -173,12 +183,14 @@ def test_committed_fixture_is_what_the_tool_builds(rebuilt: dict[str, Path]) -> 
         c["input_ids"] for c in committed["cases"]]
     assert [c["token_ids"] for c in reference["cases"]] == [
         c["token_ids"] for c in committed["cases"]]
-    assert [(c["input_ids"], c["token_ids"]) for c in reference["tool_cases"]] == [
-        (c["input_ids"], c["token_ids"]) for c in committed["tool_cases"]]
+    for kind in ("tool_cases", "video_cases"):
+        assert [(c["input_ids"], c["token_ids"]) for c in reference[kind]] == [
+            (c["input_ids"], c["token_ids"]) for c in committed[kind]], kind
     assert (rebuilt["tiny"] / "chat_template.jinja").read_text() == \
         (TINY / "chat_template.jinja").read_text()
     names = ["openvino_language_model.bin", "openvino_vision_embeddings_merger_model.bin",
              "onnx_language_model.onnx", "onnx_vision_embeddings_merger_model.onnx",
-             "tokenizer.json", *(f"images/{f}" for f in committed["images"].values())]
+             "tokenizer.json", *(f"images/{f}" for f in committed["images"].values()),
+             *(f"images/{f}" for f in committed["videos"].values())]
     for name in names:
         assert (rebuilt["tiny"] / name).read_bytes() == (TINY / name).read_bytes(), name

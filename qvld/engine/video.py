@@ -1,0 +1,265 @@
+"""Video bytes -> sampled frames -> vision patches, as Qwen3-VL's video processor does it.
+
+Decoding is PyAV's (FFmpeg's decoders: H.264, H.265, VP9, AV1 in MP4, WebM, MKV, ...;
+the wheels carry them, no system FFmpeg needed). The steps follow transformers'
+``Qwen3VLVideoProcessor`` and ``Qwen3VLProcessor``:
+
+- frames sampled at ``fps`` (``VideoSpec``; 2 by default): ``int(total / video_fps *
+  fps)`` frames, within [min_frames, max_frames] and the clip's own count, at
+  ``linspace(0, total - 1, n).round()``;
+- one size for every frame (``smart_resize`` over all sampled frames together: the
+  pixel budget is the clip's, not a frame's), Pillow's bicubic filter (transformers'
+  fast processor resizes with torchvision's antialiased bicubic, which can differ from
+  Pillow's by one level in some pixels; the reference tests feed it frames resized so);
+- ``(x - 255·mean) / (255·std)`` in float32 (its fused rescale and normalize), the last
+  frame repeated to an even count, frames paired along time (temporal patch 2) and
+  patchified in the 2x2 merge-block order;
+- each pair of frames is one group of ``h·w/4`` tokens, placed in the prompt as
+  ``<T seconds><|vision_start|><|video_pad|>…<|vision_end|>`` (T: the mean time of its
+  two frames, one decimal) and encoded by the vision tower on its own (its attention
+  is within the pair), so a group is an image to the rest of the engine.
+
+Bounds: the clip's tokens (``model.video_max_tokens``: fewer frames, then smaller ones),
+the frames decoded (``MAX_DECODED_FRAMES``), each frame's pixels
+(``engine.max_decode_pixels``), and time (``should_stop``: the client left or the
+deadline passed). Anything that is not a usable clip is ``video_invalid``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from qvld.engine.image import MAX_ASPECT_RATIO, PixelBudget, PreparedImage
+from qvld.engine.model_dir import VideoSpec, VisionSpec
+from qvld.errors import VideoInvalid
+
+# Frames a clip may have (decoded up to its last sampled frame): 2 hours at 60 fps.
+MAX_DECODED_FRAMES = 432_000
+# Each group of two frames keeps at least this many tokens (128x128 pixels): a longer
+# clip is sampled at fewer frames rather than shrunk to nothing.
+MIN_GROUP_TOKENS = 16
+
+
+class VideoStopped(Exception):
+    """``should_stop`` fired while the clip was decoded."""
+
+
+@dataclass(frozen=True)
+class PreparedVideo:
+    groups: list[PreparedImage]  # one per two frames, in time order
+    timestamps: list[float]  # seconds, one per group
+    digest: bytes
+    frames: int  # sampled (before the pairing's padding)
+
+    @property
+    def tokens(self) -> int:
+        return sum(g.tokens for g in self.groups)
+
+    def placeholder(self, start: str, pad: str, end: str) -> str:
+        """What replaces the template's one ``start pad end`` for this clip (one pad per
+        group: the pads are expanded to each group's tokens after tokenising)."""
+        return "".join(f"<{t:.1f} seconds>{start}{pad}{end}" for t in self.timestamps)
+
+
+def sample_indices(total: int, video_fps: float, spec: VideoSpec, most: int) -> np.ndarray:
+    """transformers' ``sample_frames``, with at most ``most`` frames."""
+    count = int(total / video_fps * spec.fps)
+    count = min(max(count, spec.min_frames), spec.max_frames, total, most)
+    return np.linspace(0, total - 1, count).round().astype(int)  # type: ignore[no-any-return]
+
+
+def timestamps(indices: list[int], video_fps: float, pair: int) -> list[float]:
+    """Each group's time: the mean of its first and last frame's (``_calculate_timestamps``)."""
+    padded = list(indices) + [indices[-1]] * (-len(indices) % pair)
+    times = [i / video_fps for i in padded]
+    return [(times[i] + times[i + pair - 1]) / 2 for i in range(0, len(times), pair)]
+
+
+def video_resize(frames: int, height: int, width: int, factor: int, temporal: int,
+                 min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The frame size for ``frames`` frames (transformers' video ``smart_resize``)."""
+    if height < factor or width < factor:
+        raise VideoInvalid(f"the video is {width}x{height}; frames must be at least "
+                           f"{factor}x{factor} pixels")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise VideoInvalid(f"aspect ratio {max(height, width) / min(height, width):.0f}:1 "
+                           f"exceeds {MAX_ASPECT_RATIO}:1")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = math.ceil(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _open(data: bytes) -> tuple[object, object]:
+    import av
+
+    try:
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    except (av.FFmpegError, ValueError, OSError, UnicodeDecodeError) as exc:
+        raise VideoInvalid(f"the video cannot be read: {_problem(exc)}") from None
+    streams = container.streams.video
+    if not streams:
+        container.close()
+        raise VideoInvalid("the file has no video stream")
+    stream = streams[0]
+    stream.thread_type = "AUTO"
+    return container, stream
+
+
+def _problem(exc: BaseException) -> str:
+    text = getattr(exc, "strerror", None) or str(exc)
+    return str(text).split(": '<", 1)[0].strip() or type(exc).__name__
+
+
+def _frame_count(data: bytes, stream: object) -> int:
+    """The stream's frames: its header's count, else its packets counted (no decoding)."""
+    frames = int(getattr(stream, "frames", 0) or 0)
+    if frames > 0:
+        return frames
+    import av
+
+    container, stream = _open(data)
+    try:
+        count = 0
+        for packet in container.demux(stream):  # type: ignore[attr-defined]
+            if packet.size:
+                count += 1
+                if count > MAX_DECODED_FRAMES:
+                    break
+        return count
+    except av.FFmpegError as exc:
+        raise VideoInvalid(f"the video cannot be read: {_problem(exc)}") from None
+    finally:
+        container.close()  # type: ignore[attr-defined]
+
+
+def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: int,
+                  should_stop: Callable[[], bool]) -> tuple[list[np.ndarray], list[int], float]:
+    """The sampled frames (RGB uint8 HWC), their indices, and the clip's frame rate."""
+    import av
+
+    if not data:
+        raise VideoInvalid("the video is empty")
+    container, stream = _open(data)
+    try:
+        width, height = int(stream.width or 0), int(stream.height or 0)  # type: ignore[attr-defined]
+        if width * height > max_decode_pixels:
+            raise VideoInvalid(f"the video's frames are {width}x{height} pixels; at most "
+                               f"{max_decode_pixels} are decoded (engine.max_decode_pixels)")
+        rate = stream.average_rate or stream.guessed_rate  # type: ignore[attr-defined]
+        video_fps = float(rate) if rate else 0.0
+        if not video_fps > 0:
+            raise VideoInvalid("the video has no frame rate")
+        total = _frame_count(data, stream)
+        if total < 1:
+            raise VideoInvalid("the video has no frames")
+        if total > MAX_DECODED_FRAMES:
+            raise VideoInvalid(f"the video has over {MAX_DECODED_FRAMES} frames; "
+                               "send a shorter clip")
+        indices = sample_indices(total, video_fps, spec, most)
+        wanted = {int(i): n for n, i in enumerate(indices)}
+        frames: list[np.ndarray | None] = [None] * len(indices)
+        last = int(indices[-1])
+        position = -1
+        try:
+            for frame in container.decode(stream):  # type: ignore[attr-defined]
+                position += 1
+                if should_stop():
+                    raise VideoStopped(f"stopped after {position} of {total} frames")
+                if frame.width * frame.height > max_decode_pixels:
+                    raise VideoInvalid(f"a frame is {frame.width}x{frame.height} pixels; at "
+                                       f"most {max_decode_pixels} are decoded "
+                                       "(engine.max_decode_pixels)")
+                if position in wanted:
+                    rgb = frame.to_ndarray(format="rgb24")
+                    for n, i in enumerate(indices):  # an index may repeat (short clips)
+                        if i == position:
+                            frames[n] = rgb
+                if position >= last:
+                    break
+        except av.FFmpegError as exc:
+            raise VideoInvalid(f"the video cannot be decoded: {_problem(exc)}") from None
+        missing = sum(1 for f in frames if f is None)
+        if missing:  # the stream ended before the frames its header or packets promised
+            raise VideoInvalid(f"the video is cut short: {missing} of its {len(frames)} "
+                               f"sampled frames (up to frame {last}) could not be decoded")
+        return [f for f in frames if f is not None], [int(i) for i in indices], video_fps
+    finally:
+        container.close()  # type: ignore[attr-defined]
+
+
+def normalize_frames(frames: np.ndarray, spec: VideoSpec) -> np.ndarray:
+    """uint8 [T,H,W,C] -> float32 [T,C,H,W]: the fused ``(x - mean/r) / (std/r)``."""
+    scale = np.float32(1.0 / spec.rescale_factor)
+    mean = (np.asarray(spec.image_mean, dtype=np.float32) * scale).astype(np.float32)
+    std = (np.asarray(spec.image_std, dtype=np.float32) * scale).astype(np.float32)
+    x = frames.astype(np.float32).transpose(0, 3, 1, 2)
+    return np.ascontiguousarray((x - mean[:, None, None]) / std[:, None, None])
+
+
+def patchify_pair(pair: np.ndarray, vision: VisionSpec) -> np.ndarray:
+    """[T,C,H,W] (T = temporal patch) -> [gh*gw, C*T*P*P] in merge-block order."""
+    p, m = vision.patch_size, vision.merge_size
+    t, c, h, w = pair.shape
+    gh, gw = h // p, w // p
+    x = pair.reshape(t, c, gh // m, m, p, gw // m, m, p)
+    x = x.transpose(2, 5, 3, 6, 1, 0, 4, 7)
+    return np.ascontiguousarray(x.reshape(gh * gw, c * t * p * p))
+
+
+def video_digest(data: bytes, max_tokens: int) -> bytes:
+    return hashlib.sha256(hashlib.sha256(data).digest() + f"video:{max_tokens}".encode()
+                          ).digest()
+
+
+def prepare_video(data: bytes, vision: VisionSpec, spec: VideoSpec, max_tokens: int,
+                  max_decode_pixels: int, should_stop: Callable[[], bool]) -> PreparedVideo:
+    """Decode, sample, resize and patchify a clip within ``max_tokens`` tokens."""
+    factor = vision.patch_size * vision.merge_size
+    pair = vision.temporal_patch_size
+    # Tokens = groups x (h·w / factor²): the pixels of all frames within the budget,
+    # and no more groups than leave each MIN_GROUP_TOKENS.
+    max_pixels = min(spec.max_pixels, max_tokens * pair * factor * factor)
+    most = max(pair, max_tokens // MIN_GROUP_TOKENS * pair)
+    frames, indices, video_fps = decode_frames(data, spec, most, max_decode_pixels,
+                                               should_stop)
+    height, width = frames[0].shape[:2]
+    if any(f.shape != frames[0].shape for f in frames):
+        raise VideoInvalid("the video's frames change size")
+    h_bar, w_bar = video_resize(len(frames), height, width, factor, pair,
+                                min(spec.min_pixels, max_pixels), max_pixels)
+    if math.ceil(len(frames) / pair) * pair * h_bar * w_bar > max_pixels:
+        # Grown to the model's minimum past the token budget: the budget wins.
+        h_bar, w_bar = video_resize(len(frames), height, width, factor, pair, 0, max_pixels)
+    if (h_bar, w_bar) != (height, width):
+        frames = [np.asarray(Image.fromarray(f).resize((w_bar, h_bar),
+                                                       Image.Resampling.BICUBIC))
+                  for f in frames]
+    stacked = np.stack(frames)
+    if pad := -len(frames) % pair:
+        stacked = np.concatenate([stacked, np.repeat(stacked[-1:], pad, axis=0)])
+    chw = normalize_frames(stacked, spec)
+    digest = video_digest(data, max_tokens)
+    budget = PixelBudget(h_bar * w_bar, h_bar * w_bar)
+    groups = [PreparedImage(
+        patches=patchify_pair(chw[g:g + pair], vision),
+        grid_h=h_bar // vision.patch_size, grid_w=w_bar // vision.patch_size,
+        merge_size=vision.merge_size,
+        digest=hashlib.sha256(digest + g.to_bytes(4, "big")).digest(),
+        data=b"", budget=budget) for g in range(0, len(chw), pair)]
+    return PreparedVideo(groups, timestamps(indices, video_fps, pair), digest, len(frames))

@@ -1,0 +1,157 @@
+"""Video through the engine on the committed tiny model: prompts and greedy ids equal
+transformers' for the reference clips (H.264/MP4, VP9/WebM, H.265/MKV, with images and
+several turns), budgets hold for long clips, and every kind of bad file is
+``video_invalid`` with nothing else harmed."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import pytest
+
+from qvld.engine import Engine, GenerateRequest
+from qvld.engine.model_dir import VideoSpec
+from qvld.engine.prompt_builder import PrepareStopped
+from qvld.engine.video import prepare_video, sample_indices, timestamps, video_resize
+from qvld.errors import VideoInvalid
+from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
+
+VIDEO_CASES = load_reference(TINY)["video_cases"]
+CLIP = (TINY / "images" / "clip.mp4").read_bytes()
+
+
+def make_clip(seconds: float = 2.0, fps: int = 10, width: int = 96, height: int = 64,
+              codec: str = "libx264", container: str = "mp4") -> bytes:
+    """A moving gradient, encoded with PyAV (its wheels carry the encoders)."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format=container) as muxer:
+        stream = muxer.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        y, x = np.mgrid[0:height, 0:width]
+        for i in range(int(seconds * fps)):
+            rgb = np.stack([(x * 3 + i * 9) % 256, (y * 4 + i * 5) % 256,
+                            (x + y + i * 7) % 256], -1).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                muxer.mux(packet)
+        for packet in stream.encode():
+            muxer.mux(packet)
+    return out.getvalue()
+
+
+def ask(video: bytes, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(messages=[{"role": "user", "content": [
+        {"type": "video", "video": video}, {"type": "text", "text": "What happens?"}]}],
+        temperature=0.0, **kw)
+
+
+@pytest.mark.parametrize("case", VIDEO_CASES, ids=[c["name"] for c in VIDEO_CASES])
+def test_video_prompts_and_greedy_ids_equal_transformers(tiny_engine: Engine,
+                                                         case: dict[str, Any]) -> None:
+    request = GenerateRequest(messages=with_image_bytes(case["messages"], TINY),
+                              max_tokens=case["max_new_tokens"], temperature=0.0,
+                              template_kwargs=case.get("template_kwargs"))
+    ids, *_ = tiny_engine.tokenize(request)
+    assert ids == case["input_ids"]
+    result = tiny_engine.generate(request)
+    assert result.token_ids == case["token_ids"]
+    assert result.usage.prompt_tokens == len(case["input_ids"])
+
+
+def test_the_reference_covers_codecs_images_and_turns() -> None:
+    files = {part["video"] for c in VIDEO_CASES for m in c["messages"]
+             if isinstance(m["content"], list) for part in m["content"]
+             if part["type"] == "video"}
+    assert files == {"clip.mp4", "clip.webm", "clip.mkv"}
+    assert any(m["role"] == "assistant" for c in VIDEO_CASES for m in c["messages"])
+    assert all(c["min_margin"] > 1e-3 for c in VIDEO_CASES)
+
+
+def test_a_clip_is_sampled_timed_and_placed_as_qwen_does(tiny_engine: Engine) -> None:
+    ids, items, starts = tiny_engine.tokenize(ask(CLIP))
+    text = tiny_engine.tokenizer.decode_special(ids)
+    # 2 s at 10 fps -> 4 frames at 2 fps -> 2 groups of two frames, each with its time.
+    assert text.count("<|vision_start|>") == 2 and "<0.3 seconds>" in text
+    assert "<1.6 seconds>" in text
+    assert len(items) == 2 and all(i.tokens == items[0].tokens for i in items)
+    video_id = tiny_engine.spec.video_token_id
+    assert all(ids[s] == video_id for s in starts)
+    again = tiny_engine.generate(ask(CLIP, max_tokens=2))
+    # Encoded before: nothing is encoded again (groups in the KV prefix cache are not
+    # even looked up; the others come from the embedding cache).
+    assert again.image_cache_misses == 0 and again.usage.cached_tokens > 0
+
+
+def test_sampling_and_timestamps_follow_transformers() -> None:
+    spec = VideoSpec()
+    assert sample_indices(20, 10.0, spec, 768).tolist() == [0, 6, 13, 19]
+    assert sample_indices(300, 30.0, spec, 768).tolist() == list(
+        np.linspace(0, 299, 20).round().astype(int))
+    assert len(sample_indices(300, 30.0, spec, 8)) == 8  # the token budget's cap
+    assert timestamps([0, 6, 13], 10.0, 2) == [0.3, 1.3]  # the last frame repeated
+    assert video_resize(4, 64, 96, 32, 2, 128 * 32 * 32, 768 * 32 * 32) == (160, 224)
+
+
+@pytest.mark.parametrize(("codec", "container"), [("libx265", "matroska"),
+                                                  ("libvpx-vp9", "webm"),
+                                                  ("libsvtav1", "mp4")])
+def test_other_codecs_decode(tiny_engine: Engine, codec: str, container: str) -> None:
+    clip = make_clip(1.0, 8, 64, 64, codec, container)
+    video = prepare_video(clip, tiny_engine.spec.vision, tiny_engine.spec.video, 2048,
+                          10 ** 8, lambda: False)
+    assert len(video.groups) == 2 and video.frames == 4
+
+
+def test_a_long_clip_stays_within_the_video_budget() -> None:
+    long = make_clip(60.0, 10, 160, 96)
+    engine = Engine(parity_config(TINY))
+    ids, items, _ = engine.tokenize(ask(long))
+    video_tokens = sum(i.tokens for i in items)
+    assert len(ids) < 4096 and video_tokens <= 2048
+    assert len(items) >= 16  # a minute is not squeezed into a few frames
+    tight = prepare_video(long, engine.spec.vision, engine.spec.video, 64, 10 ** 8,
+                          lambda: False)
+    assert tight.tokens <= 64 and len(tight.groups) >= 2
+
+
+@pytest.mark.parametrize(("name", "data", "message"), [
+    ("empty", b"", "empty"),
+    ("garbage", b"\x00\x01not a video at all" * 100, "cannot be read"),
+    ("truncated", CLIP[: len(CLIP) // 2], "cannot be read"),
+])
+def test_bad_files_are_video_invalid(tiny_engine: Engine, name: str, data: bytes,
+                                     message: str) -> None:
+    with pytest.raises(VideoInvalid, match=message):
+        tiny_engine.tokenize(ask(data))
+    assert tiny_engine.generate(ask(CLIP, max_tokens=2)).finish_reason == "length"
+
+
+def test_frames_over_the_decode_limit_are_refused() -> None:
+    engine = Engine(parity_config(TINY, max_decode_pixels=96 * 63))
+    with pytest.raises(VideoInvalid, match=r"engine\.max_decode_pixels"):
+        engine.tokenize(ask(CLIP))
+
+
+def test_an_audio_only_file_has_no_video_stream(tiny_engine: Engine) -> None:
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="matroska") as muxer:
+        stream = muxer.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16",
+                                           layout="mono")
+        frame.sample_rate = 8000
+        for packet in stream.encode(frame):
+            muxer.mux(packet)
+        for packet in stream.encode():
+            muxer.mux(packet)
+    with pytest.raises(VideoInvalid, match="no video stream"):
+        tiny_engine.tokenize(ask(out.getvalue()))
+
+
+def test_decoding_stops_when_asked(tiny_engine: Engine) -> None:
+    with pytest.raises(PrepareStopped):
+        tiny_engine.tokenize(ask(CLIP), should_stop=lambda: True)
