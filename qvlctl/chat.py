@@ -1,6 +1,7 @@
 """`qvlctl chat`: a conversation kept as a daemon session (the image is encoded once).
 
-Commands: /image PATH attaches an image to your next message, /reset starts over,
+Commands: /image PATH attaches an image to your next message, /video PATH a video
+clip (MP4, WebM, MKV, ...), /reset starts over,
 /quit (or end of input) leaves and closes the session.
 
 Answers and the daemon's messages go through ``render.cleaner``: on a terminal their
@@ -25,7 +26,7 @@ from qvlctl import exits, render, replies
 from qvlctl.client import Client, MalformedReply
 from qvld.errors import QvlError
 
-HELP = "commands: /image PATH, /reset, /quit"
+HELP = "commands: /image PATH, /video PATH, /reset, /quit"
 FATAL = ("unavailable", "forbidden")  # the next turn would be refused the same way
 
 
@@ -35,7 +36,8 @@ class Chat:
                  session: str | None = None) -> None:
         self.client = client
         self.params = params
-        self.pending = list(images)
+        # The parts attached to the next message (images, videos).
+        self.pending: list[dict[str, Any]] = [{"type": "image", "image": d} for d in images]
         self.system = system
         self.out, self.err = out, err
         # Decided once per stream: answers stream token by token.
@@ -49,8 +51,7 @@ class Chat:
 
     def say(self, text: str) -> dict[str, Any]:
         """One turn: the answer streams to ``out``; the generate result is returned."""
-        content: list[dict[str, Any]] = [{"type": "image", "image": data}
-                                         for data in self.pending]
+        content: list[dict[str, Any]] = list(self.pending)
         content.append({"type": "text", "text": text})
         messages: list[dict[str, Any]] = []
         if self.turns == 0 and self.system:
@@ -83,10 +84,12 @@ class Chat:
             self.close()
             self.session, self.turns, self.pending = self.new_id(), 0, []
             self.err.write("(new conversation)\n")
-        elif name == "/image":
+        elif name in ("/image", "/video"):
+            kind = name[1:]
             try:
-                self.pending.append(Path(arg.strip()).expanduser().read_bytes())
-                self.err.write(f"(image attached to your next message: {arg.strip()})\n")
+                data = Path(arg.strip()).expanduser().read_bytes()
+                self.pending.append({"type": kind, kind: data})
+                self.err.write(f"({kind} attached to your next message: {arg.strip()})\n")
             except OSError as exc:
                 self.err.write(self.clean_err(f"cannot read {arg.strip()}: {exc.strerror}")
                                + "\n")

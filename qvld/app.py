@@ -35,7 +35,7 @@ from qvld.http.server import HttpFront, HttpSetupError, load_http
 from qvld.journal import JournalHandler, stderr_fallback
 from qvld.logfields import FIELDS_ATTR
 from qvld.metrics import Exporter, Metrics
-from qvld.preflight import report, run_checks
+from qvld.preflight import PREPARE_THREADS, report, run_checks
 from qvld.prepare import PrepareStage
 from qvld.server import AccessPolicy, Server, SocketInUse
 from qvld.systemd import Notifier, named_listen_fds
@@ -385,7 +385,8 @@ class App:
             # tests can watch systemd's watchdog restart it.
             loop.add_signal_handler(signal.SIGUSR2, time.sleep, 10**6)
         background: list[asyncio.Task[None]] = []
-        prepare = PrepareStage(workers=2, queue_max=self.config.server.prepare_queue_max)
+        prepare = PrepareStage(workers=PREPARE_THREADS,
+                               queue_max=self.config.server.prepare_queue_max)
         self.prepare_stage = prepare
         policy = AccessPolicy(self.config.server)
         handlers = Handlers(self.state, prepare,

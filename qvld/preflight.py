@@ -160,6 +160,19 @@ def model_bytes(config: Config) -> int:
     return sum(p.stat().st_size for p in path.glob(pattern))
 
 
+PREPARE_THREADS = 2  # the daemon's prepare stage (app.py)
+
+
+def video_bytes(config: Config) -> int:
+    """What clips being prepared hold at most: per clip of model.video_max_tokens, its
+    resized frames (uint8) and its patches (float32), a token being 2 frames x 32x32
+    pixels; one clip per prepare thread."""
+    tokens = config.model.video_max_tokens
+    frames = tokens * 2 * 32 * 32 * 3  # uint8 RGB
+    patches = tokens * 2 * 32 * 32 * 3 * 4  # float32, every pixel once
+    return PREPARE_THREADS * (frames + patches)
+
+
 def check_memory(system: System, config: Config) -> Check:
     info = system.meminfo()
     available = info.get("MemAvailable")
@@ -167,11 +180,13 @@ def check_memory(system: System, config: Config) -> Check:
         return Check("memory", NA, "no /proc/meminfo", "")
     weights = model_bytes(config)
     engine = config.engine
+    video = video_bytes(config)
     need = weights + ((engine.kv_cache_mb + engine.image_cache_mb + engine.session_image_mb)
-                      << 20) + (512 << 20)
+                      << 20) + video + (512 << 20)
     found = (f"{_gib(available)} available; needs ≈{_gib(need)} (weights {_gib(weights)}, "
              f"KV cache {engine.kv_cache_mb} MiB, image cache {engine.image_cache_mb} MiB, "
-             f"session images {engine.session_image_mb} MiB, runtime 0.5 GiB)")
+             f"session images {engine.session_image_mb} MiB, videos being prepared "
+             f"{video >> 20} MiB, runtime 0.5 GiB)")
     why = "running out of memory gets the daemon killed or swapping mid-answer"
     if available < need:
         return Check("memory", FAIL, found, why,

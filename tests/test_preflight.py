@@ -269,3 +269,14 @@ def test_memory_counts_the_session_image_budget(tmp_path: Path) -> None:
     assert "session images 4096 MiB" in large.found
     needs = [float(c.found.split("needs ≈")[1].split()[0]) for c in (small, large)]
     assert needs[1] - needs[0] == pytest.approx(4.0, abs=0.05)
+
+
+def test_memory_counts_the_video_budget(tmp_path: Path) -> None:
+    system = System(root=build_tree(tmp_path, 1, 4, 1, SERVER_FLAGS, mem_gib=64))
+    small = by_id(run_checks(config(**{"model.video_max_tokens": "16"}), system))["memory"]
+    large = by_id(run_checks(config(**{"model.video_max_tokens": "32768"}), system))["memory"]
+    # Two clips at once, each 32768 tokens of 2 frames x 32x32 pixels, uint8 + float32.
+    assert "videos being prepared 1920 MiB" in large.found
+    assert "videos being prepared 0 MiB" in small.found
+    needs = [float(c.found.split("needs ≈")[1].split()[0]) for c in (small, large)]
+    assert needs[1] - needs[0] == pytest.approx(1.875, abs=0.05)

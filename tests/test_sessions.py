@@ -47,18 +47,19 @@ def test_session_follow_ups_over_the_socket_equal_transformers(daemon: Daemon) -
 def test_chat_keeps_one_session_and_closes_it(daemon: Daemon, tmp_path: Path) -> None:
     image = TINY / "images" / "photo.png"
     script = f"What is in this picture?\n/image {TINY / 'images' / 'gray.png'}\nAnd this?\n" \
-             f"/image {tmp_path / 'missing.png'}\n/help\nThanks.\n/quit\n"
+             f"/image {tmp_path / 'missing.png'}\n/help\nThanks.\n" \
+             f"/video {TINY / 'images' / 'clip.mp4'}\nWhat happens in this clip?\n/quit\n"
     out = subprocess.run([sys.executable, "-m", "qvlctl.cli", "--socket", str(daemon.socket),
                           "chat", str(image), "--temperature", "0", "--max-tokens", "6"],
                          input=script.encode(), capture_output=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     answers = [line for line in out.stdout.decode().splitlines() if line.startswith("qvl> ")]
-    assert len(answers) == 3
+    assert len(answers) == 4
     err = out.stderr.decode()
-    assert err.count("TTFT") == 3
+    assert err.count("TTFT") == 4 and "(video attached to your next message" in err
     assert "cannot read" in err and "commands:" in err
-    # The second and third turns reused the conversation's KV cache.
-    assert err.count("cached") >= 2
+    # The later turns reused the conversation's KV cache.
+    assert err.count("cached") >= 3
     with daemon.client() as client:
         assert not [s for s in client.sessions() if s["id"].startswith("chat-")]
 

@@ -27,7 +27,7 @@ from qvld.engine.request import CheckedRequest
 from qvld.engine.sessions import dropped
 from qvld.engine.slots import Slot
 from qvld.engine.tokenizer import ChatTemplate, TextTokenizer, expand_visual_pads
-from qvld.engine.video import PreparedVideo, VideoStopped, prepare_video
+from qvld.engine.video import PreparedVideo, VideoStopped, prepare_frames, prepare_video
 from qvld.engine.vision import ImageEmbedding, encode_image
 from qvld.errors import BadRequest, PromptTooLong
 
@@ -111,14 +111,14 @@ class PromptBuilder:
         items = [prepared[n] if token == image_id else groups[n] for token, n, _ in found]
         return ids, items, [start for _, _, start in found]
 
-    def _prepare_videos(self, videos: list[bytes], should_stop: Callable[[], bool]
-                        ) -> list[PreparedVideo]:
+    def _prepare_videos(self, videos: list[bytes | list[bytes]],
+                        should_stop: Callable[[], bool]) -> list[PreparedVideo]:
         out = []
-        for data in videos:
+        for video in videos:
+            prepare = prepare_video if isinstance(video, bytes) else prepare_frames
             try:
-                out.append(prepare_video(data, self.spec.vision, self.spec.video,
-                                         self.video_max_tokens, self.max_decode_pixels,
-                                         should_stop))
+                out.append(prepare(video, self.spec.vision, self.spec.video,  # type: ignore[arg-type]
+                                   self.video_max_tokens, self.max_decode_pixels, should_stop))
             except VideoStopped as exc:
                 raise PrepareStopped(str(exc)) from None
         return out

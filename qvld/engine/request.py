@@ -189,7 +189,8 @@ class CheckedRequest:
     # template variables.
     tools: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
-    videos: list[bytes] = field(default_factory=list)  # the videos' bytes, in order
+    # The videos in order: a clip's bytes, or its frames (pictures' bytes).
+    videos: list[bytes | list[bytes]] = field(default_factory=list)
 
 
 def sampling(request: GenerateRequest, gen: GenerationDefaults) -> SamplingParams:
@@ -251,13 +252,13 @@ MAX_VIDEOS = 4  # per request
 
 
 def template_messages(messages: Any, max_images: int
-                      ) -> tuple[list[dict[str, Any]], list[bytes], list[bytes]]:
+                      ) -> tuple[list[dict[str, Any]], list[bytes], list[bytes | list[bytes]]]:
     """Messages as the template sees them, the image bytes and the video bytes."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
     shown: list[dict[str, Any]] = []
     images: list[bytes] = []
-    videos: list[bytes] = []
+    videos: list[bytes | list[bytes]] = []
     for n, message in enumerate(messages):
         # The role may be any msgpack value: test its type before hashing it.
         role = message.get("role") if isinstance(message, dict) else None
@@ -286,7 +287,7 @@ def template_messages(messages: Any, max_images: int
 
 
 def _parts(content: list[Any], n: int, images: list[bytes],
-           videos: list[bytes]) -> list[dict[str, Any]]:
+           videos: list[bytes | list[bytes]]) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     for m, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -298,11 +299,27 @@ def _parts(content: list[Any], n: int, images: list[bytes],
         elif kind == "video" and isinstance(part.get("video"), (bytes, bytearray)):
             parts.append({"type": "video"})
             videos.append(bytes(part["video"]))
+        elif kind == "video" and _frames(part.get("frames")):
+            parts.append({"type": "video"})
+            videos.append([bytes(f) for f in part["frames"]])
         else:
             raise BadRequest(f"messages[{n}].content[{m}] must be {{type: text, text: "
                              "str}, {type: image, image: bytes} or {type: video, video: "
-                             "bytes}")
+                             "bytes | frames: [bytes]}")
     return parts
+
+
+MAX_VIDEO_FRAMES = 768  # a frames list's pictures at most (Qwen's max_frames)
+
+
+def _frames(frames: Any) -> bool:
+    """A video as its frames: 1..768 pictures' bytes."""
+    if not isinstance(frames, list) or not all(isinstance(f, (bytes, bytearray))
+                                               for f in frames):
+        return False
+    if not 1 <= len(frames) <= MAX_VIDEO_FRAMES:
+        raise BadRequest(f"a video's frames list holds 1..{MAX_VIDEO_FRAMES} pictures")
+    return True
 
 
 def _tool_calls(calls: Any, n: int) -> list[dict[str, Any]]:

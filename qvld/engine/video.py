@@ -148,9 +148,14 @@ def _frame_count(data: bytes, stream: object) -> int:
         container.close()  # type: ignore[attr-defined]
 
 
+SizeFor = Callable[[int, int, int], tuple[int, int]]  # (frames, height, width) -> (h, w)
+
+
 def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: int,
-                  should_stop: Callable[[], bool]) -> tuple[list[np.ndarray], list[int], float]:
-    """The sampled frames (RGB uint8 HWC), their indices, and the clip's frame rate."""
+                  should_stop: Callable[[], bool], size_for: SizeFor
+                  ) -> tuple[list[np.ndarray], list[int], float]:
+    """The sampled frames (RGB uint8 HWC, resized as each is decoded to ``size_for``:
+    only the clip's budget of pixels is ever held), their indices, and the frame rate."""
     import av
 
     if not data:
@@ -173,6 +178,7 @@ def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: in
                                "send a shorter clip")
         indices = sample_indices(total, video_fps, spec, most)
         wanted = {int(i): n for n, i in enumerate(indices)}
+        size = size_for(len(indices), height, width) if width and height else None
         frames: list[np.ndarray | None] = [None] * len(indices)
         last = int(indices[-1])
         position = -1
@@ -186,7 +192,7 @@ def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: in
                                        f"most {max_decode_pixels} are decoded "
                                        "(engine.max_decode_pixels)")
                 if position in wanted:
-                    rgb = frame.to_ndarray(format="rgb24")
+                    rgb = _resized(frame.to_ndarray(format="rgb24"), size)
                     for n, i in enumerate(indices):  # an index may repeat (short clips)
                         if i == position:
                             frames[n] = rgb
@@ -201,6 +207,13 @@ def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: in
         return [f for f in frames if f is not None], [int(i) for i in indices], video_fps
     finally:
         container.close()  # type: ignore[attr-defined]
+
+
+def _resized(rgb: np.ndarray, size: tuple[int, int] | None) -> np.ndarray:
+    if size is None or rgb.shape[:2] == size:
+        return rgb
+    return np.asarray(Image.fromarray(rgb).resize((size[1], size[0]),
+                                                  Image.Resampling.BICUBIC))
 
 
 def normalize_frames(frames: np.ndarray, spec: VideoSpec) -> np.ndarray:
@@ -230,31 +243,74 @@ def video_digest(data: bytes, max_tokens: int) -> bytes:
 def prepare_video(data: bytes, vision: VisionSpec, spec: VideoSpec, max_tokens: int,
                   max_decode_pixels: int, should_stop: Callable[[], bool]) -> PreparedVideo:
     """Decode, sample, resize and patchify a clip within ``max_tokens`` tokens."""
+    def size_for(count: int, height: int, width: int) -> tuple[int, int]:
+        return frame_size(count, height, width, vision, spec, max_tokens)
+
+    frames, indices, video_fps = decode_frames(
+        data, spec, _most_frames(vision, max_tokens), max_decode_pixels, should_stop,
+        size_for)
+    return _groups(frames, indices, video_fps, video_digest(data, max_tokens), vision, spec,
+                   max_tokens)
+
+
+def prepare_frames(pictures: list[bytes], vision: VisionSpec, spec: VideoSpec,
+                   max_tokens: int, max_decode_pixels: int,
+                   should_stop: Callable[[], bool]) -> PreparedVideo:
+    """A clip given as its frames (pictures, already sampled: taken as ``spec.fps``
+    apart); more than the budget allows are thinned evenly."""
+    from qvld.engine.image import decode
+
+    if not pictures:
+        raise VideoInvalid("a video's frames list is empty")
+    keep = np.linspace(0, len(pictures) - 1, min(len(pictures), _most_frames(
+        vision, max_tokens))).round().astype(int)
+    frames: list[np.ndarray] = []
+    for n in keep:
+        if should_stop():
+            raise VideoStopped(f"stopped after {len(frames)} of {len(keep)} frames")
+        frames.append(np.asarray(decode(pictures[int(n)], max_decode_pixels), dtype=np.uint8))
+    if any(f.shape != frames[0].shape for f in frames):
+        raise VideoInvalid("a video's frames must all have the same size")
+    content = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pictures)).digest()
+    digest = hashlib.sha256(content + f"frames:{max_tokens}".encode()).digest()
+    return _groups(frames, [int(n) for n in keep], spec.fps, digest, vision, spec, max_tokens)
+
+
+def _most_frames(vision: VisionSpec, max_tokens: int) -> int:
+    """No more frames than leave each pair MIN_GROUP_TOKENS of ``max_tokens``."""
+    pair = vision.temporal_patch_size
+    return max(pair, max_tokens // MIN_GROUP_TOKENS * pair)
+
+
+def frame_size(count: int, height: int, width: int, vision: VisionSpec, spec: VideoSpec,
+               max_tokens: int) -> tuple[int, int]:
+    """Every frame's size for ``count`` frames of height x width: the model's video
+    ``smart_resize``, its pixels over all frames within ``max_tokens`` too."""
     factor = vision.patch_size * vision.merge_size
     pair = vision.temporal_patch_size
-    # Tokens = groups x (h·w / factor²): the pixels of all frames within the budget,
-    # and no more groups than leave each MIN_GROUP_TOKENS.
+    # Tokens = groups x (h·w / factor²): the pixels of all frames within the budget.
     max_pixels = min(spec.max_pixels, max_tokens * pair * factor * factor)
-    most = max(pair, max_tokens // MIN_GROUP_TOKENS * pair)
-    frames, indices, video_fps = decode_frames(data, spec, most, max_decode_pixels,
-                                               should_stop)
-    height, width = frames[0].shape[:2]
+    h_bar, w_bar = video_resize(count, height, width, factor, pair,
+                                min(spec.min_pixels, max_pixels), max_pixels)
+    if math.ceil(count / pair) * pair * h_bar * w_bar > max_pixels:
+        # Grown to the model's minimum past the token budget: the budget wins.
+        h_bar, w_bar = video_resize(count, height, width, factor, pair, 0, max_pixels)
+    return h_bar, w_bar
+
+
+def _groups(frames: list[np.ndarray], indices: list[int], video_fps: float, digest: bytes,
+            vision: VisionSpec, spec: VideoSpec, max_tokens: int) -> PreparedVideo:
+    """Sampled frames -> resized, normalised, paired and patchified groups."""
+    pair = vision.temporal_patch_size
     if any(f.shape != frames[0].shape for f in frames):
         raise VideoInvalid("the video's frames change size")
-    h_bar, w_bar = video_resize(len(frames), height, width, factor, pair,
-                                min(spec.min_pixels, max_pixels), max_pixels)
-    if math.ceil(len(frames) / pair) * pair * h_bar * w_bar > max_pixels:
-        # Grown to the model's minimum past the token budget: the budget wins.
-        h_bar, w_bar = video_resize(len(frames), height, width, factor, pair, 0, max_pixels)
-    if (h_bar, w_bar) != (height, width):
-        frames = [np.asarray(Image.fromarray(f).resize((w_bar, h_bar),
-                                                       Image.Resampling.BICUBIC))
-                  for f in frames]
+    height, width = int(frames[0].shape[0]), int(frames[0].shape[1])
+    h_bar, w_bar = frame_size(len(frames), height, width, vision, spec, max_tokens)
+    frames = [_resized(f, (h_bar, w_bar)) for f in frames]
     stacked = np.stack(frames)
     if pad := -len(frames) % pair:
         stacked = np.concatenate([stacked, np.repeat(stacked[-1:], pad, axis=0)])
     chw = normalize_frames(stacked, spec)
-    digest = video_digest(data, max_tokens)
     budget = PixelBudget(h_bar * w_bar, h_bar * w_bar)
     groups = [PreparedImage(
         patches=patchify_pair(chw[g:g + pair], vision),

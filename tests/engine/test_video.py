@@ -155,3 +155,31 @@ def test_an_audio_only_file_has_no_video_stream(tiny_engine: Engine) -> None:
 def test_decoding_stops_when_asked(tiny_engine: Engine) -> None:
     with pytest.raises(PrepareStopped):
         tiny_engine.tokenize(ask(CLIP), should_stop=lambda: True)
+
+
+def test_a_video_given_as_frames(tiny_engine: Engine) -> None:
+    import av
+
+    with av.open(io.BytesIO(CLIP)) as container:
+        pictures = []
+        for frame in container.decode(video=0):
+            out = io.BytesIO()
+            frame.to_image().save(out, "PNG")
+            pictures.append(out.getvalue())
+    picked = [pictures[i] for i in (0, 6, 13, 19)]  # the frames the clip's sampling takes
+    as_frames = GenerateRequest(messages=[{"role": "user", "content": [
+        {"type": "video", "frames": picked}, {"type": "text", "text": "What happens?"}]}],
+        temperature=0.0, max_tokens=4)
+    ids, items, _ = tiny_engine.tokenize(as_frames)
+    text = tiny_engine.tokenizer.decode_special(ids)
+    assert len(items) == 2 and "<0.2 seconds>" in text and "<1.2 seconds>" in text
+    # The same frames as the clip gives (lossless PNGs of its decoded frames): the same
+    # patches, only the times differ (frames are taken as 0.5 s apart).
+    _, clip_items, _ = tiny_engine.tokenize(ask(CLIP))
+    assert [np.array_equal(a.patches, b.patches) for a, b in zip(items, clip_items,
+                                                                 strict=True)] == [True, True]
+    assert tiny_engine.generate(as_frames).usage.completion_tokens == 4
+    with pytest.raises(VideoInvalid, match="same size"):
+        tiny_engine.tokenize(GenerateRequest(messages=[{"role": "user", "content": [
+            {"type": "video", "frames": [picked[0],
+                                         (TINY / "images" / "photo.png").read_bytes()]}]}]))
