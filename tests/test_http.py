@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from qvld.http.keys import hash_key
-from tests.conftest import Daemon, free_port, wait_for
+from tests.conftest import TINY, Daemon, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RECEIPT = ROOT / "examples" / "receipt.png"
@@ -157,7 +157,7 @@ def test_models_and_health(daemon: HttpDaemon) -> None:
     models = daemon.openai().models.list().data
     assert [m.id for m in models] == ["tiny"]
     extra = models[0].model_extra or {}
-    assert extra["input_modalities"] == ["text", "image"]
+    assert extra["input_modalities"] == ["text", "image", "video"]
     assert extra["context_length"] > 0
     status, _, body = daemon.request("GET", "/health")
     assert status == 200 and body == {"status": "ready", "ready": True}
@@ -369,6 +369,7 @@ def test_health_while_loading_then_image_urls_when_allowed(tmp_path: Path) -> No
     site.mkdir()
     (site / "receipt.png").write_bytes(RECEIPT.read_bytes())
     (site / "notes.txt").write_text("not an image")
+    (site / "clip.mp4").write_bytes((TINY / "images" / "clip.mp4").read_bytes())
     images = ImageServer(site)
     (tmp_path / "daemon").mkdir()
     d = HttpDaemon(tmp_path / "daemon", args=[
@@ -400,6 +401,11 @@ def test_health_while_loading_then_image_urls_when_allowed(tmp_path: Path) -> No
         assert fetched.choices[0].message.content == inline.choices[0].message.content
         assert fetched.usage is not None and inline.usage is not None
         assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
+        clip = client.chat.completions.create(  # a video URL, under the same rules
+            model="tiny", max_tokens=2, messages=[{"role": "user", "content": [  # type: ignore[arg-type]
+                {"type": "video_url", "video_url": {"url": f"{base}/clip.mp4"}},
+                {"type": "text", "text": "What happens?"}]}])
+        assert clip.usage is not None and clip.usage.prompt_tokens > 60
         with pytest.raises(openai.PermissionDeniedError) as other_host:
             client.chat.completions.create(
                 model="tiny", messages=image_messages(  # type: ignore[arg-type]

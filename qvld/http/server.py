@@ -677,7 +677,7 @@ class HttpFront:
         engine = self.state.require_engine()
         entry = {"id": engine.spec.name, "object": "model",
                  "created": int(time.time() - (time.monotonic() - self.state.started)),
-                 "owned_by": "qvld", "input_modalities": ["text", "image"],
+                 "owned_by": "qvld", "input_modalities": ["text", "image", "video"],
                  "output_modalities": ["text"],
                  "context_length": engine.stats()["max_context_tokens"],
                  "max_completion_tokens": self.state.config.engine.max_new_tokens}
