@@ -463,10 +463,15 @@ def build_processor(hf_dir: Path) -> Any:
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
+    # The video processor's defaults, with the model's own patch sizes (as the image
+    # processor's saved config has them).
+    vision = json.loads((hf_dir / "config.json").read_text())["vision_config"]
     return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor.from_pretrained(hf_dir),
         tokenizer=AutoTokenizer.from_pretrained(hf_dir),
-        video_processor=Qwen3VLVideoProcessor(),
+        video_processor=Qwen3VLVideoProcessor(
+            patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
+            merge_size=vision["spatial_merge_size"]),
         chat_template=(hf_dir / "chat_template.jinja").read_text(),
     )
 
