@@ -195,6 +195,14 @@ def test_slowloris_and_a_thousand_idle_connections(hostile: Daemon) -> None:
 
 # -- requests ---------------------------------------------------------------------------
 
+CLIP = (TINY / "images" / "clip.mp4").read_bytes()
+
+
+def tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name,
+                                             "parameters": parameters or {"type": "object"}}}
+
+
 def user(*parts: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": "What?"}]}]
 
@@ -244,6 +252,34 @@ REQUEST_CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("seed_huge", {"messages": user(), "seed": 2**64 - 1}, "bad_request"),
     ("role_unknown", {"messages": [{"role": "function", "content": "x"}]}, "bad_request"),
     ("deadline_negative", {"messages": user(), "deadline_s": -1}, "bad_request"),
+    # Tools, choices, template variables and videos (2026-12-03).
+    ("tools_not_a_list", {"messages": user(), "tools": {"a": 1}}, "bad_request"),
+    ("tools_129", {"messages": user(), "tools": [tool(f"f{i}") for i in range(129)]},
+     "bad_request"),
+    ("tool_schema_200KB", {"messages": user(), "tools": [tool("f", {
+        "type": "object", "description": "x" * 200_000})]}, "bad_request"),
+    ("tool_choice_unknown", {"messages": user(), "tools": [tool("f")],
+                             "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "bad_request"),
+    ("tool_call_object_beyond_context", {"messages": [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {
+            "name": "f", "arguments": {f"k{i}": "word " * 200 for i in range(500)}}}]},
+        *user()]}, "prompt_too_long"),
+    ("n_17", {"messages": user(), "n": 17}, "bad_request"),
+    ("template_kwargs_messages", {"messages": user(),
+                                  "chat_template_kwargs": {"messages": []}}, "bad_request"),
+    ("template_kwargs_8KB", {"messages": user(),
+                             "chat_template_kwargs": {"x": "y" * 8192}}, "bad_request"),
+    ("video_garbage", {"messages": user({"type": "video", "video": b"\x00" * 5000})},
+     "video_invalid"),
+    ("video_truncated", {"messages": user({"type": "video", "video": CLIP[:len(CLIP) // 2]})},
+     "video_invalid"),
+    ("video_frames_not_pictures", {"messages": user({"type": "video",
+                                                     "frames": [b"no", b"no"]})},
+     "image_invalid"),
+    ("video_frames_769", {"messages": user({"type": "video", "frames": [b"x"] * 769})},
+     "bad_request"),
+    ("videos_5", {"messages": user(*[{"type": "video", "video": CLIP}] * 5)}, "bad_request"),
 ]
 
 

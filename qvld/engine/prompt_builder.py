@@ -158,9 +158,9 @@ class PromptBuilder:
         texts = [text for message in checked.shown for text in (
             [message["content"]] if isinstance(message["content"], str) else
             [part["text"] for part in message["content"] if part["type"] == "text"])]
-        texts += [call["function"]["arguments"] for message in checked.shown
-                  for call in message.get("tool_calls", ())
-                  if isinstance(call["function"]["arguments"], str)]
+        # A call's name and arguments (JSON text or an object the template writes out).
+        texts += [json.dumps(call["function"], ensure_ascii=False)
+                  for message in checked.shown for call in message.get("tool_calls", ())]
         if checked.tools:
             texts.append(json.dumps(checked.tools, ensure_ascii=False))
         # A token stands for at least one byte: text of no more bytes than the room fits

@@ -85,6 +85,7 @@ def test_a_full_request_maps_onto_generate_params() -> None:
      "tool_choice"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
      "messages[0].tool_calls"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
