@@ -114,11 +114,12 @@ class PromptBuilder:
     def _prepare_videos(self, videos: list[bytes | list[bytes]],
                         should_stop: Callable[[], bool]) -> list[PreparedVideo]:
         out = []
+        limits = (self.spec.vision, self.spec.video, self.video_max_tokens,
+                  self.max_decode_pixels, should_stop)
         for video in videos:
-            prepare = prepare_video if isinstance(video, bytes) else prepare_frames
             try:
-                out.append(prepare(video, self.spec.vision, self.spec.video,  # type: ignore[arg-type]
-                                   self.video_max_tokens, self.max_decode_pixels, should_stop))
+                out.append(prepare_video(video, *limits) if isinstance(video, bytes)
+                           else prepare_frames(video, *limits))
             except VideoStopped as exc:
                 raise PrepareStopped(str(exc)) from None
         return out

@@ -299,9 +299,9 @@ def _parts(content: list[Any], n: int, images: list[bytes],
         elif kind == "video" and isinstance(part.get("video"), (bytes, bytearray)):
             parts.append({"type": "video"})
             videos.append(bytes(part["video"]))
-        elif kind == "video" and _frames(part.get("frames")):
+        elif kind == "video" and (frames := _frames(part.get("frames"))) is not None:
             parts.append({"type": "video"})
-            videos.append([bytes(f) for f in part["frames"]])
+            videos.append(frames)
         else:
             raise BadRequest(f"messages[{n}].content[{m}] must be {{type: text, text: "
                              "str}, {type: image, image: bytes} or {type: video, video: "
@@ -312,14 +312,14 @@ def _parts(content: list[Any], n: int, images: list[bytes],
 MAX_VIDEO_FRAMES = 768  # a frames list's pictures at most (Qwen's max_frames)
 
 
-def _frames(frames: Any) -> bool:
-    """A video as its frames: 1..768 pictures' bytes."""
+def _frames(frames: Any) -> list[bytes] | None:
+    """A video given as its frames (1..768 pictures' bytes); None when it is not one."""
     if not isinstance(frames, list) or not all(isinstance(f, (bytes, bytearray))
                                                for f in frames):
-        return False
+        return None
     if not 1 <= len(frames) <= MAX_VIDEO_FRAMES:
         raise BadRequest(f"a video's frames list holds 1..{MAX_VIDEO_FRAMES} pictures")
-    return True
+    return [bytes(f) for f in frames]
 
 
 def _tool_calls(calls: Any, n: int) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -105,7 +106,8 @@ def video_resize(frames: int, height: int, width: int, factor: int, temporal: in
     return h_bar, w_bar
 
 
-def _open(data: bytes) -> tuple[object, object]:
+def _open(data: bytes) -> tuple[Any, Any]:
+    """The container and its first video stream (PyAV's objects)."""
     import av
 
     try:
@@ -126,7 +128,7 @@ def _problem(exc: BaseException) -> str:
     return str(text).split(": '<", 1)[0].strip() or type(exc).__name__
 
 
-def _frame_count(data: bytes, stream: object) -> int:
+def _frame_count(data: bytes, stream: Any) -> int:
     """The stream's frames: its header's count, else its packets counted (no decoding)."""
     frames = int(getattr(stream, "frames", 0) or 0)
     if frames > 0:
@@ -136,7 +138,7 @@ def _frame_count(data: bytes, stream: object) -> int:
     container, stream = _open(data)
     try:
         count = 0
-        for packet in container.demux(stream):  # type: ignore[attr-defined]
+        for packet in container.demux(stream):
             if packet.size:
                 count += 1
                 if count > MAX_DECODED_FRAMES:
@@ -145,7 +147,7 @@ def _frame_count(data: bytes, stream: object) -> int:
     except av.FFmpegError as exc:
         raise VideoInvalid(f"the video cannot be read: {_problem(exc)}") from None
     finally:
-        container.close()  # type: ignore[attr-defined]
+        container.close()
 
 
 SizeFor = Callable[[int, int, int], tuple[int, int]]  # (frames, height, width) -> (h, w)
@@ -162,11 +164,11 @@ def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: in
         raise VideoInvalid("the video is empty")
     container, stream = _open(data)
     try:
-        width, height = int(stream.width or 0), int(stream.height or 0)  # type: ignore[attr-defined]
+        width, height = int(stream.width or 0), int(stream.height or 0)
         if width * height > max_decode_pixels:
             raise VideoInvalid(f"the video's frames are {width}x{height} pixels; at most "
                                f"{max_decode_pixels} are decoded (engine.max_decode_pixels)")
-        rate = stream.average_rate or stream.guessed_rate  # type: ignore[attr-defined]
+        rate = stream.average_rate or stream.guessed_rate
         video_fps = float(rate) if rate else 0.0
         if not video_fps > 0:
             raise VideoInvalid("the video has no frame rate")
@@ -177,13 +179,15 @@ def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: in
             raise VideoInvalid(f"the video has over {MAX_DECODED_FRAMES} frames; "
                                "send a shorter clip")
         indices = sample_indices(total, video_fps, spec, most)
-        wanted = {int(i): n for n, i in enumerate(indices)}
+        wanted: dict[int, list[int]] = {}  # frame -> where it goes (short clips repeat one)
+        for n, i in enumerate(indices):
+            wanted.setdefault(int(i), []).append(n)
         size = size_for(len(indices), height, width) if width and height else None
         frames: list[np.ndarray | None] = [None] * len(indices)
         last = int(indices[-1])
         position = -1
         try:
-            for frame in container.decode(stream):  # type: ignore[attr-defined]
+            for frame in container.decode(stream):
                 position += 1
                 if should_stop():
                     raise VideoStopped(f"stopped after {position} of {total} frames")
@@ -193,9 +197,8 @@ def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: in
                                        "(engine.max_decode_pixels)")
                 if position in wanted:
                     rgb = _resized(frame.to_ndarray(format="rgb24"), size)
-                    for n, i in enumerate(indices):  # an index may repeat (short clips)
-                        if i == position:
-                            frames[n] = rgb
+                    for n in wanted[position]:
+                        frames[n] = rgb
                 if position >= last:
                     break
         except av.FFmpegError as exc:
@@ -206,7 +209,7 @@ def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: in
                                f"sampled frames (up to frame {last}) could not be decoded")
         return [f for f in frames if f is not None], [int(i) for i in indices], video_fps
     finally:
-        container.close()  # type: ignore[attr-defined]
+        container.close()
 
 
 def _resized(rgb: np.ndarray, size: tuple[int, int] | None) -> np.ndarray:
