@@ -83,7 +83,10 @@ def test_deadline_running_and_queued(one_worker: Daemon) -> None:
             reply = client.receive()
             replies[reply["id"]] = reply
     assert replies[2]["error"]["code"] == "timeout"
-    assert "queued" in replies[2]["error"]["message"]
+    # It never ran: its deadline passed while it was queued or, on a loaded machine, while
+    # the prepare stage still held it.
+    message = replies[2]["error"]["message"]
+    assert "queued" in message or "before the request was prepared" in message, message
     assert replies[1]["ok"]
 
 
