@@ -74,7 +74,8 @@ def timings_line(result: dict[str, Any]) -> str:
     parts = [
         f"prompt {usage.get('prompt_tokens', 0)} tokens"
         + (f" ({usage['image_tokens']} image)" if usage.get("image_tokens") else ""),
-        f"{generated} generated",
+        f"{generated} generated"
+        + (f" ({usage['forced_tokens']} forced)" if usage.get("forced_tokens") else ""),
         f"TTFT {t.get('ttft_s', 0.0):.2f} s",
         f"{rate:.1f} tokens/s",
         f"total {t.get('total_s', 0.0):.2f} s",

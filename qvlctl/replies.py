@@ -20,7 +20,8 @@ from qvld.errors import ERRORS_BY_CODE, InternalError, QvlError
 
 T = TypeVar("T")
 _MISSING = object()
-USAGE_NUMBERS = ("prompt_tokens", "completion_tokens", "image_tokens", "cached_tokens")
+USAGE_NUMBERS = ("prompt_tokens", "completion_tokens", "image_tokens", "cached_tokens",
+                 "forced_tokens")
 TIMING_NUMBERS = ("queue_s", "image_s", "prefill_s", "ttft_s", "decode_s", "total_s")
 
 

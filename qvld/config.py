@@ -140,6 +140,9 @@ class EngineConfig(_Section):
     # seconds of the request's arrival is a bad_request; compiled grammars kept by content.
     grammar_compile_timeout_s: float = Field(5.0, gt=0, le=MAX_SECONDS)
     grammar_cache_size: int = Field(64, ge=0, le=65_536)
+    # Tokens a response format forces (a key, a quote, a brace) are fed in one step
+    # beside the sampled one; off: one step each (the same tokens, for comparison).
+    grammar_fast_forward: bool = True
     # Whether ONNX Runtime's threads spin between ops waiting for work. auto: not where
     # they share the cores with OpenVINO's (model.prompt_backend: a prompt prefilled
     # while others decode), where spinning threads take the CPU from the other runtime.

@@ -226,6 +226,7 @@ class Handlers:
             ttft_s=round(t.ttft_s, 6), decode_s=round(t.decode_s, 6))
         if result.response_format is not None:
             ctx.log_fields["response_format"] = result.response_format
+            ctx.log_fields["forced_tokens"] = sum(r.usage.forced_tokens for r in results)
         if self.state.config.logging.log_prompts:
             ctx.log_fields["prompt_text"] = repr(_prompt_text(request.messages))
         if result.finish_reason == "cancelled":
@@ -385,6 +386,7 @@ def choices_result(results: list[GenerateResult]) -> dict[str, Any]:
     out["choices"] = [{"index": i, **{k: v for k, v in r.to_dict().items() if k in keep}}
                       for i, r in enumerate(results)]
     out["usage"]["completion_tokens"] = sum(r.usage.completion_tokens for r in results)
+    out["usage"]["forced_tokens"] = sum(r.usage.forced_tokens for r in results)
     return out
 
 

@@ -154,6 +154,10 @@ class Metrics:
         self.constrained = Counter("qvld_constrained_requests",
                                    "Generations whose answer a response format constrained, "
                                    "by its type.", ("format",), registry=registry)
+        self.forced_tokens = Counter("qvld_constrained_forced_tokens",
+                                     "Completion tokens a response format forced (a key, a "
+                                     "quote, a brace: fed without sampling), by its type.",
+                                     ("format",), registry=registry)
         self.grammar_compile = histogram("qvld_grammar_compile_seconds",
                                          "Compiling a response format (cached ones are not "
                                          "compiled again).", COMPILE_BUCKETS)
@@ -162,6 +166,7 @@ class Metrics:
                                       "mask, per generated token.", MASK_BUCKETS)
         for fmt in RESPONSE_FORMATS:
             self.constrained.labels(fmt)
+            self.forced_tokens.labels(fmt)
         ProcessCollector(registry=registry)
         # Pre-create the request series that alert rules divide by, so they exist at 0.
         for op in ("generate", "health"):
@@ -230,6 +235,7 @@ class Metrics:
         self.prefix_hits.inc(usage.cached_tokens)
         if result.response_format in RESPONSE_FORMATS:
             self.constrained.labels(result.response_format).inc()
+            self.forced_tokens.labels(result.response_format).inc(usage.forced_tokens)
             if result.grammar_compile_s is not None:
                 self.grammar_compile.observe(result.grammar_compile_s)
             for seconds in result.mask_s:

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 from qvld import protocol
@@ -266,9 +267,10 @@ def test_a_schema_that_compiles_but_overflows_the_parser_is_a_logged_once_400(
     check_answer("date", result["text"])
 
 
-def constrained(samples: Samples) -> dict[str, float]:
-    return {dict(labels)["format"]: value for (name, labels), value in samples.items()
-            if name == "qvld_constrained_requests_total"}
+def constrained(samples: Samples, name: str = "qvld_constrained_requests_total"
+                ) -> dict[str, float]:
+    return {dict(labels)["format"]: value for (sample, labels), value in samples.items()
+            if sample == name}
 
 
 def test_metrics_count_constrained_requests_compiles_and_mask_time(
@@ -289,12 +291,68 @@ def test_metrics_count_constrained_requests_compiles_and_mask_time(
     assert after[compiles[0]] - before.get(compiles[0], 0) == 1
     masks = after[("qvld_grammar_mask_seconds_count", ())] - before.get(
         ("qvld_grammar_mask_seconds_count", ()), 0)
-    assert masks == sum(r["usage"]["completion_tokens"] for r in results)
+    # A mask per sampled token; the forced ones (the key, the braces) counted apart.
+    forced = sum(r["usage"]["forced_tokens"] for r in results)
+    assert forced >= 2 * len("{'n':}")
+    assert masks == sum(r["usage"]["completion_tokens"] for r in results) - forced
+    forced_total = "qvld_constrained_forced_tokens_total"
+    assert constrained(after, forced_total)["json_schema"] - constrained(
+        before, forced_total)["json_schema"] == forced
     assert after[("qvld_grammar_mask_seconds_sum", ())] > before.get(
         ("qvld_grammar_mask_seconds_sum", ()), 0)
     with daemon.client(timeout=30) as client:
         grammars = client.status()["caches"]["grammars"]
     assert grammars["cached"] >= 1 and grammars["compiles"] >= grammars["cached"]
+
+
+EXTRACT = {"type": "object", "properties": {
+    "product_display_name": {"type": "string", "maxLength": 8},
+    "currency_iso_code": {"enum": ["EUR", "USD", "GBP"]},
+    "currently_in_stock": {"type": "boolean"},
+    "shipping_category_label": {"enum": ["standard", "express", "freight"]}},
+    "required": ["product_display_name", "currency_iso_code", "currently_in_stock",
+                 "shipping_category_label"], "additionalProperties": False}
+OPEN = {"type": "object", "properties": {"note": {"type": "string"}},
+        "required": ["note"]}
+
+
+def test_forced_tokens_are_counted_everywhere_and_a_cut_answer_still_parses(
+        daemon: HttpDaemon, tmp_path: Path) -> None:
+    """usage.forced_tokens on the socket (streamed and not), in ``qvlctl ask --json`` and
+    over HTTP (completion_tokens_details); an unbounded string cut by max_tokens 30
+    closes, on both fronts and streamed."""
+    fmt = {"type": "json_schema", "schema": EXTRACT}
+    for stream in (False, True):
+        result = generate(daemon, {"messages": messages(7), "max_tokens": 300,
+                                   "temperature": 0.0, "response_format": fmt}, stream)
+        jsonschema.validate(json.loads(result["text"]), EXTRACT)
+        usage = result["usage"]
+        assert usage["forced_tokens"] >= 0.4 * usage["completion_tokens"], usage
+    schema_file = tmp_path / "extract.json"
+    schema_file.write_text(json.dumps(EXTRACT))
+    asked = qvlctl_json(daemon, "The product?", "--json-schema", str(schema_file))
+    jsonschema.validate(json.loads(asked["text"]), EXTRACT)
+    assert asked["usage"]["forced_tokens"] >= 0.4 * asked["usage"]["completion_tokens"]
+    cut = generate(daemon, {"messages": messages(8), "max_tokens": 30, "temperature": 1.0,
+                            "seed": 8, "response_format": {"type": "json_schema",
+                                                           "schema": OPEN}}, stream=True)
+    assert cut["finish_reason"] == "length" and cut["usage"]["completion_tokens"] <= 30
+    jsonschema.validate(json.loads(cut["text"]), OPEN)
+    client = daemon.openai()
+    body: Any = {"type": "json_schema", "json_schema": {"name": "open", "schema": OPEN}}
+    answer = client.chat.completions.create(
+        model="qvld", max_tokens=30, temperature=1.0, seed=9, response_format=body,
+        messages=messages(9))  # type: ignore[arg-type]
+    assert answer.choices[0].finish_reason == "length"
+    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), OPEN)
+    assert answer.usage is not None and answer.usage.completion_tokens_details is not None
+    details = answer.usage.completion_tokens_details.model_dump()
+    assert 0 < details["forced_tokens"] <= answer.usage.completion_tokens
+    chunks = client.chat.completions.create(
+        model="qvld", max_tokens=30, temperature=1.0, seed=9, response_format=body,
+        messages=messages(9), stream=True)  # type: ignore[arg-type]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == answer.choices[0].message.content
 
 
 def test_two_hundred_answers_all_validate(daemon: HttpDaemon) -> None:

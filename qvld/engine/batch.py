@@ -53,7 +53,7 @@ def prefill_elsewhere(slot: RowsSlot, model: PagedModel, seq: Sequence, chunk: i
             seq.fed += len(embeds)
         assert logits is not None, "a lease always leaves the last prompt row to feed"
         seq.t_prefill = time.perf_counter()
-        seq.token = seq.decoding.accept(logits)
+        seq.take(seq.decoding.accept(logits))
         model.write_rows(seq.lease.blocks, start, slot.rows_from(start))
     finally:
         slot.reset()
@@ -100,7 +100,7 @@ class BatchRunner:
     def submit(self, seq: Sequence) -> None:
         """Hand ``seq`` over; its ``on_done`` tells the end. Raises the scheduler's
         BadRequest when it could never fit."""
-        if not seq.prefilling and seq.token is None:  # done at its first token already
+        if seq.decoding.finish is not None:  # done at its first token already
             self._end(seq)
             return
         self.scheduler.add(seq)
@@ -125,7 +125,7 @@ class BatchRunner:
             self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
             seq.prefilled()
         seq.outside = False
-        if error is not None or not fed or seq.token is None:
+        if error is not None or not fed or seq.decoding.finish is not None:
             self.scheduler.finish(seq)
             if not fed and error is None:
                 seq.decoding.cancel()
@@ -148,7 +148,7 @@ class BatchRunner:
         """Each generation admitted or waiting for a place: rows fed, tokens so far,
         state and the runtime computing it, for status."""
         running, waiting = self.scheduler.snapshot()
-        states = ["prefill" if s.prefilling or s.outside else "decode" for s in running]
+        states = ["prefill" if s.in_prompt or s.outside else "decode" for s in running]
         states += ["waiting"] * len(waiting)
         return [{"uid": s.uid, "prompt_tokens": len(s.prompt.ids), "cached_tokens": s.cached,
                  "fed_tokens": s.fed, "generated_tokens": s.generated, "state": state,
@@ -160,7 +160,7 @@ class BatchRunner:
         """(decoding, prefilling) sequences admitted, those prefilled by another runtime
         included."""
         running, _ = self.scheduler.snapshot()
-        prefilling = sum(1 for s in running if s.prefilling or s.outside)
+        prefilling = sum(1 for s in running if s.in_prompt or s.outside)
         return len(running) - prefilling, prefilling
 
     # -- the step thread ----------------------------------------------------------------
@@ -196,7 +196,9 @@ class BatchRunner:
         rows = [(seq, n) for seq, n in plan.rows if not seq.outside]
         if not rows:
             return bool(plan.stopped)
-        decoders = [seq for seq, n in rows if not seq.prefilling]
+        # Decoding sequences' single next tokens are embedded together; every other
+        # sequence's rows (a prompt chunk, forced tokens, rows to compute again) its own.
+        decoders = [seq for seq, n in rows if seq.token is not None]
         embeds, positions, masks, deepstacks = [], [], [], []
         if decoders:
             ids = np.array([seq.token for seq in decoders], dtype=np.int64)
@@ -212,7 +214,8 @@ class BatchRunner:
             masks.append(m)
             if d is not None:
                 deepstacks.append(d)
-            prefill_rows += n
+            if seq.in_prompt:
+                prefill_rows += min(n, len(seq.prompt.ids) - seq.fed)
         counts = np.array([n for _, n in rows], dtype=np.int32)
         past = np.array([seq.fed for seq, _ in rows], dtype=np.int32)
         tables = [seq.lease.blocks[:self.pool.blocks_for(seq.fed + n)] for seq, n in rows]
@@ -225,8 +228,9 @@ class BatchRunner:
         self.steps += 1
         now = time.perf_counter()
         for i, (seq, n) in enumerate(rows):
-            if seq.token is not None and not seq.prefilling:
+            if seq.token is not None:
                 seq.keys.append((seq.token, None))
+                seq.token = None
             seq.fed += n
             self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
             if seq.prefilling:
@@ -235,12 +239,12 @@ class BatchRunner:
                 seq.t_prefill = now
                 seq.prefilled()
             try:
-                seq.token = seq.decoding.accept(np.array(logits[i]))
+                seq.take(seq.decoding.accept(np.array(logits[i])))
             except Exception as exc:  # this sequence's sampling or streaming only
                 self.scheduler.finish(seq)
                 self._end(seq, exc)
                 continue
-            if seq.token is None:
+            if seq.decoding.finish is not None:
                 self.scheduler.finish(seq)
                 self._end(seq)
         if self.on_step is not None:

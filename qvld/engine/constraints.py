@@ -15,7 +15,10 @@ and Lark/GBNF grammars with one API. Its wheel is abi3 (one wheel for Python 3.1
   stopped: llguidance gives no way; its result is cached);
 - ``Constraint`` is one request's matcher: ``mask`` sets every token the grammar does
   not allow next to -inf in the sliced logits, ``advance`` feeds it the chosen token and
-  says whether the grammar is complete (the answer ends there: nothing else may follow).
+  says whether the grammar is complete (the answer ends there: nothing else may follow),
+  ``forced`` names the tokens the grammar leaves no choice about (fast-forward) and
+  ``finish`` a short way to end the answer from where it is (``Finisher``), so that an
+  answer the budget cuts still parses.
 
 JSON is compact (no free whitespace between tokens): a weak or random-weight model
 otherwise fills the budget with spaces and the answer never closes.
@@ -163,13 +166,123 @@ def _grammar(fmt: ResponseFormat) -> str:
     return grammar_from("grammar", fmt.source)  # Lark, or GBNF converted to Lark
 
 
+# Bytes a finisher tries, in this order: what closes a string, an object, an array; what
+# separates; the shortest values (0, true, false, null, [], {}); then the rest of
+# printable ASCII.
+_FINISH_ORDER = (b'"}],' + b"0987654321" + b"tfn[{-.:" + bytes(range(ord("a"), ord("z") + 1))
+                 + bytes(range(ord("A"), ord("Z") + 1)) + b" _")
+_FINISH_ORDER += bytes(b for b in range(32, 127) if b not in _FINISH_ORDER)
+_QUICK_TRIES = 4  # tried one by one before the grammar's whole mask is computed
+# A request's finishing searches may take this long in all (a grammar whose greedy path
+# loops could otherwise cost every step of the shared loop a search of the whole budget);
+# past it the request gives up closing early (its answer may then be cut like free text).
+FINISH_SECONDS_PER_REQUEST = 1.0
+# A search from the grammar's start: the shortest answer it allows (compile thread).
+START_FINISH_LIMIT = 2048
+
+
+class Finisher:
+    """Finds a short way to end a grammar from a matcher's state: the tokens of an answer
+    that ends as soon as the grammar lets it ("always closes").
+
+    Greedy, one step at a time on a copy of the matcher: the grammar's forced tokens
+    (fast-forward) when there are any, else a bracket that closes an array or object,
+    else the first byte of ``_FINISH_ORDER`` it allows (closing a string; a comma; the
+    shortest values: '""', ``0``, ``true``, ``[]``; a required key comes as forced
+    bytes), else a special token it allows (``</tool_call>``), else its first allowed
+    token. The result is tokenised canonically. Short, not always shortest: a string of
+    minLength 2 becomes '"}}"', an integer of minimum 5 becomes ``9``, an enum its first
+    value in that order ("fahrenheit" before "celsius"). None when no end is found within ``limit``
+    tokens: the grammar's end is further, or the greedy path loops (a regex ``x(a|b)*c``
+    never reaches its ``c`` when ``a`` comes first in the order)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        single = {b: tokenizer.tokenize_bytes(bytes([b])) for b in _FINISH_ORDER}
+        self._order = [(b, int(ids[0])) for b, ids in single.items() if len(ids) == 1]
+        byte_token = dict(self._order)
+        self._brackets: list[int] = [byte_token[b] for b in b"]}" if b in byte_token]
+        self._letter = byte_token.get(ord("x"))  # in a JSON string, never outside one
+        self._by_token = np.array([t for _, t in self._order], dtype=np.int64)
+        self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+
+    def finish(self, matcher: Any, limit: int, deadline: float = float("inf")
+               ) -> list[int] | None:
+        """The tokens that end ``matcher``'s grammar soon (it is not changed), or None."""
+        trial = matcher.deep_copy()
+        raw: list[int] = []
+        while not trial.is_accepting():
+            # Tokens of single bytes: the canonical tokenisation can be much shorter.
+            if (len(raw) >= 4 * limit + 16 or trial.is_error()
+                    or time.perf_counter() > deadline):
+                return None
+            forced = trial.compute_ff_tokens()
+            if forced:
+                if not trial.consume_tokens(forced):
+                    return None
+                raw.extend(forced)
+                continue
+            token = self._next(trial)
+            if token is None:
+                return None
+            raw.append(token)
+        return self._canonical(matcher, raw, limit)
+
+    def _next(self, trial: Any) -> int | None:
+        """Consume the finishing order's first allowed token on ``trial``; which."""
+        # A bracket that closes an array or an object first ("[]" rather than '[""]'),
+        # unless it would be a character of a string (then "x" is allowed after it).
+        for token in self._brackets:
+            if trial.try_consume_tokens([token]) == 1:
+                if self._letter is None or trial.validate_tokens([self._letter]) == 0:
+                    return token
+                trial.rollback(1)
+        for _, token in self._order[:_QUICK_TRIES]:
+            if trial.try_consume_tokens([token]) == 1:
+                return token
+        trial.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        allowed = np.unpackbits(self._bits.view(np.uint8), count=self.vocab_size,
+                                bitorder="little").view(bool)
+        hits = np.flatnonzero(allowed[self._by_token])
+        if hits.size:
+            token = int(self._by_token[hits[0]])
+        else:
+            ids = np.flatnonzero(allowed)
+            if not ids.size:
+                return None
+            special = [int(t) for t in ids[:4096] if self.tokenizer.is_special_token(int(t))]
+            token = special[0] if special else int(ids[0])
+        return token if trial.consume_token(token) else None
+
+    def _canonical(self, matcher: Any, raw: list[int], limit: int) -> list[int] | None:
+        """``raw`` tokenised as the tokenizer would (its runs of text), if the grammar
+        takes that; else ``raw``; None if it is longer than ``limit``."""
+        out: list[int] = []
+        run: list[int] = []
+        for token in [*raw, -1]:
+            if token >= 0 and not self.tokenizer.is_special_token(token):
+                run.append(token)
+                continue
+            if run:
+                out.extend(self.tokenizer.tokenize_bytes(self.tokenizer.decode_bytes(run)))
+                run = []
+            if token >= 0:
+                out.append(token)
+        check = matcher.deep_copy()
+        tokens = out if check.consume_tokens(out) and check.is_accepting() else raw
+        return tokens if len(tokens) <= limit else None
+
+
 @dataclass
 class Compiled:
-    """One content's compile: a matcher to copy, or why it failed; how long it took."""
+    """One content's compile: a matcher to copy, or why it failed; how long it took; the
+    shortest answer its grammar allows (``Finisher``; None when none was found)."""
 
     matcher: Any | None
     error: str | None
     seconds: float
+    shortest: list[int] | None = None
 
 
 @dataclass(eq=False)
@@ -215,14 +328,23 @@ class GrammarCompiler:
         # without a response format.
         self._tokenizer = self._pool.submit(self._load_tokenizer, tokenizer_json,
                                             list(eos_ids))
+        self._finisher: Finisher | None = None
         self.compiles = 0  # compiles run (not served from the cache), for tests and stats
         self.dropped = 0  # compiles nobody wanted any more by their turn
 
     def _load_tokenizer(self, path: Path, eos_ids: list[int]) -> Any:
         from llguidance import LLTokenizer
 
-        return LLTokenizer(path.read_text(encoding="utf-8"), n_vocab=self.vocab_size,
-                           eos_token=eos_ids)
+        tokenizer = LLTokenizer(path.read_text(encoding="utf-8"), n_vocab=self.vocab_size,
+                                eos_token=eos_ids)
+        self._finisher = Finisher(tokenizer, self.vocab_size)
+        return tokenizer
+
+    @property
+    def finisher(self) -> Finisher:
+        self._tokenizer.result()
+        assert self._finisher is not None
+        return self._finisher
 
     def load(self) -> None:
         """Wait until the vocabulary's trie is built (warm-up: the first request with a
@@ -313,12 +435,17 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         t0 = time.perf_counter()
+        shortest = None
         try:
             matcher = LLMatcher(self._tokenizer.result(), _grammar(fmt), log_level=0)
             error = matcher.get_error() if matcher.is_error() else None
+            if error is None:
+                shortest = self.finisher.finish(matcher, START_FINISH_LIMIT,
+                                                time.perf_counter() + 0.5)
         except Exception as exc:  # llguidance raises ValueError; the GBNF converter others
             matcher, error = None, str(exc) or type(exc).__name__
-        result = Compiled(None if error else matcher, error, time.perf_counter() - t0)
+        result = Compiled(None if error else matcher, error, time.perf_counter() - t0,
+                          shortest)
         with self._lock:
             self.compiles += 1
             self._jobs.pop(fmt.key, None)
@@ -365,6 +492,7 @@ class Constraint:
         self._bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         self.compile_s: float | None = None  # None while not compiled, and when cached
         self.mask_s: list[float] = []  # each step's mask computation and application
+        self.finish_s = 0.0  # spent finding ways to end the answer (``finish``)
 
     def failed(self) -> str | None:
         """Why the compile failed, when it has already finished and failed (cheap: lets
@@ -434,6 +562,48 @@ class Constraint:
         if not self._matcher.consume_token(token):
             self._gave_up()
         return bool(self._matcher.is_stopped())
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar leaves no choice about next: llguidance's fast-forward
+        tokens, the canonical tokenisation of the bytes it forces, less a last token that
+        what follows could merge with (nothing is consumed)."""
+        self.wait()
+        assert self._matcher is not None
+        return list(self._matcher.compute_ff_tokens())
+
+    def rollback(self, tokens: int) -> None:
+        """Take back the last ``tokens`` fed."""
+        assert self._matcher is not None
+        if tokens and not self._matcher.rollback(tokens):
+            self._gave_up()
+
+    @property
+    def shortest(self) -> list[int] | None:
+        """The shortest answer the grammar allows, as the finisher found it (None: none
+        found, or not compiled)."""
+        if not self.future.done():
+            return None
+        return self.future.result().shortest
+
+    @property
+    def can_finish(self) -> bool:
+        """Whether its finishing searches may go on (they have not taken too long)."""
+        return self._compiler is not None and self.finish_s < FINISH_SECONDS_PER_REQUEST
+
+    def finish(self, limit: int) -> list[int] | None:
+        """A short way to end the answer from here, at most ``limit`` tokens (nothing is
+        consumed); None when none is found, or when this request's searches have taken
+        ``FINISH_SECONDS_PER_REQUEST`` already."""
+        assert self._matcher is not None
+        if not self.can_finish:
+            return None
+        assert self._compiler is not None
+        t0 = time.perf_counter()
+        try:
+            return self._compiler.finisher.finish(
+                self._matcher, limit, t0 + FINISH_SECONDS_PER_REQUEST - self.finish_s)
+        finally:
+            self.finish_s += time.perf_counter() - t0
 
     def _gave_up(self) -> NoReturn:
         """The matcher stopped inside a grammar that compiled: its parser passed one of

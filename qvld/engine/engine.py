@@ -540,7 +540,7 @@ class Engine:
             eos_ids=() if request.ignore_eos else self.spec.generation.eos_token_ids,
             stops=StopStrings(request.stop), on_token=on_token,
             should_stop=gen.should_stop, constraint=prepared.constraint,
-            logprobs=request.logprobs)
+            logprobs=request.logprobs, fast_forward=self.config.engine.grammar_fast_forward)
 
     def _finish(self, gen: Generation, prepared: PreparedRequest, turn: Turn | None,
                 inputs: TurnInputs, ran: Ran | None, held: HeldText | None = None) -> None:
@@ -577,12 +577,16 @@ class Engine:
     @staticmethod
     def _split_calls(result: GenerateResult, tools: ToolSet, held: HeldText | None) -> None:
         """Calls of the tools: finish "tool_calls" and the text before them as the text
-        (a call cut off by the budget is no call: the text stays whole, finish "length");
+        (a call cut off by the budget is no call: the text stays whole, finish "length";
+        one the response format closed as the budget ran out is, finish "length");
         otherwise the text a stream held back goes out now."""
-        split = None if result.finish_reason != "stop" else split_calls(result.text, tools)
+        # A call the constraint closed early (the budget ran out) is still a call.
+        ended = result.finish_reason == "stop" or result.closed
+        split = split_calls(result.text, tools) if ended else None
         if split is not None:
             result.text, result.tool_calls = split
-            result.finish_reason = "tool_calls"
+            if not result.closed:  # closed early it says so: "length"
+                result.finish_reason = "tool_calls"
         if held is not None:
             held.release(result.text)
 
@@ -618,6 +622,7 @@ class Engine:
                 completion_tokens=len(outcome.token_ids),
                 image_tokens=int(prompt.visual_mask.sum()),
                 cached_tokens=outcome.cached_tokens,
+                forced_tokens=outcome.forced_tokens,
             ),
             timings=Timings(
                 image_s=prepared.prepare_s + t_generate - t_vision,
@@ -634,6 +639,7 @@ class Engine:
             grammar_compile_s=None if constraint is None else constraint.compile_s,
             mask_s=[] if constraint is None else constraint.mask_s,
             logprobs=outcome.logprobs,
+            closed=outcome.closed,
         )
 
     def _cancelled(self, prepared: PreparedRequest, gen: Generation) -> GenerateResult:

@@ -14,6 +14,7 @@ from qvld.engine.sampling import Sampler, StopStrings
 from qvld.engine.slots import Slot
 from qvld.engine.tokenizer import IncrementalText, TextTokenizer
 from qvld.engine.types import FinishReason, TokenCallback
+from qvld.errors import BadRequest
 
 
 def mrope_positions(length: int, images: Sequence[tuple[int, int, int]]
@@ -69,6 +70,8 @@ class Outcome:
     cached_tokens: int
     token_gaps: list[float] = field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None
+    forced_tokens: int = 0  # chosen by a response format, not sampled
+    closed: bool = False  # a response format ended it early: the budget was running out
 
 
 def prefill(slot: Slot, prompt: Prompt, start: int, chunk: int,
@@ -109,13 +112,30 @@ def never() -> bool:
 class Decoding:
     """One generation's token choice, stop rules and streamed text, step by step: the
     part of decoding that does not care how the logits were computed (alone on a slot,
-    or batched with others)."""
+    or batched with others).
+
+    With a response format (``constraint``), three rules on top of the mask:
+
+    - **Forced tokens.** Where the grammar leaves no choice (a key, a quote, a brace, an
+      enum's shared prefix) the token is the first of its canonical fast-forward tokens,
+      not a sample; with ``fast_forward`` the rest of the run follows at once, so that
+      the caller feeds them all in one step (several rows, as a prompt chunk is fed)
+      instead of one step each. The ids are the same either way: a forced run is always
+      tokenised canonically, one token per step or all in one.
+    - **Always closes.** Every step keeps a known way to end the answer within what the
+      budget (max_tokens, the context) leaves; a token after which no end would fit is
+      taken back and that end is emitted instead (``closed``; finish "length"). The
+      shortest answer the grammar allows not fitting the budget at all is a
+      ``bad_request`` at the first step.
+    - Forced tokens report log-probability 0 (the only choice), with no alternatives.
+    """
 
     def __init__(self, tokenizer: TextTokenizer, sampler: Sampler, *, prompt_len: int,
                  max_tokens: int, max_context: int, eos_ids: Sequence[int],
                  stops: StopStrings, on_token: TokenCallback | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 constraint: Constraint | None = None, logprobs: int | None = None) -> None:
+                 constraint: Constraint | None = None, logprobs: int | None = None,
+                 fast_forward: bool = True) -> None:
         self.sampler = sampler
         self.tokenizer = tokenizer
         # Asked: each token's log-probability and this many alternatives.
@@ -123,6 +143,10 @@ class Decoding:
         self.logprobs: list[dict[str, Any]] = []
         self.pending_logprobs: list[dict[str, Any]] = []
         self.constraint = constraint
+        self.fast_forward = fast_forward
+        self.forced_tokens = 0
+        self.closed = False
+        self._ending: list[int] | None = None  # a way to end that fits the budget
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
         self.max_context = max_context
@@ -139,39 +163,105 @@ class Decoding:
         self.t_first = 0.0
         self.t_last = 0.0
 
-    def accept(self, logits: np.ndarray) -> int | None:
+    @property
+    def budget(self) -> int:
+        """Tokens this answer may still have (max_tokens, and the context)."""
+        made = len(self.text.ids)
+        return min(self.max_tokens - made, self.max_context - self.prompt_len - made)
+
+    def accept(self, logits: np.ndarray) -> list[int] | None:
         """Choose the next token from ``logits`` (changed in place) and stream what became
-        final; the token to feed next, or None when a stop rule fired (``finish``).
+        final; the tokens to feed next (the chosen one, then any a response format
+        forces after it), or None when a stop rule fired (``finish``).
 
         A response format masks the logits first; the answer stops where its grammar is
         complete (nothing else may follow), whether or not the model chose an eos."""
-        constraint = self.constraint
-        if constraint is not None:
-            constraint.mask(logits)
+        if self.constraint is not None:
+            return self._accept_constrained(self.constraint, logits)
         scores = None if self.top_logprobs is None else log_softmax(logits)
         token = self.sampler.choose(logits)
-        if scores is not None:
-            self._note_logprobs(token, scores)
-        complete = constraint is not None and constraint.advance(token)
+        return self._emit([token], [self._entry(token, scores)], [False], complete=False)
+
+    def _accept_constrained(self, constraint: Constraint, logits: np.ndarray
+                            ) -> list[int] | None:
+        budget = self.budget
+        if not self.text.ids:
+            self._ending = constraint.shortest
+            if self._ending is not None and len(self._ending) > budget:
+                raise BadRequest(
+                    f"the response_format's shortest answer is {len(self._ending)} tokens; "
+                    f"this request leaves room for {budget} (max_tokens, or the context)")
+        forced = constraint.forced()
+        if forced:
+            token = forced[0]
+            self.sampler.note(token)
+            entries = [self._forced_entry(token)]
+        else:
+            constraint.mask(logits)
+            scores = None if self.top_logprobs is None else log_softmax(logits)
+            token = self.sampler.choose(logits)
+            entries = [self._entry(token, scores)]
+        run, was_forced = [token], [bool(forced)]
+        complete = constraint.advance(token)
+        while self.fast_forward and not complete and len(run) < budget:
+            more = constraint.forced()[:budget - len(run)]
+            if not more:
+                break
+            for token in more:
+                complete = constraint.advance(token)
+                self.sampler.note(token)
+                run.append(token)
+                entries.append(self._forced_entry(token))
+                was_forced.append(True)
+                if complete:
+                    break
+        if not complete and run[-1] not in self.eos and self._ending is not None:
+            ending = constraint.finish(budget - len(run))
+            if ending is not None:
+                self._ending = ending
+            elif not constraint.can_finish:  # its searches took too long: no more
+                self._ending = None
+            else:  # no end fits after this run: end from before it, as known to fit
+                constraint.rollback(len(run))
+                run, complete, self.closed = list(self._ending), True, True
+                for token in run:
+                    constraint.advance(token)
+                entries = [self._forced_entry(token) for token in run]
+                was_forced = [True] * len(run)
+        return self._emit(run, entries, was_forced, complete)
+
+    def _emit(self, tokens: list[int], entries: list[dict[str, Any] | None],
+              forced: list[bool], complete: bool) -> list[int] | None:
+        """Add ``tokens`` to the answer and apply the stop rules; the tokens to feed next,
+        or None when it ended (``complete``: the grammar is, after the last token)."""
         now = time.perf_counter()
         if not self.text.ids:
             self.t_first = now
-        else:
+        else:  # one gap per delivery: a forced run arrives at once
             self.gaps.append(now - self.t_last)
         self.t_last = now
         text, stops = self.text, self.stops
-        # Only text the new token can have changed is searched for stop strings.
-        searched = max(0, text.settled_length - stops.longest + 1)
-        text.add(token)
-        self.pending.append(token)
-        if token not in self.eos and stops.stops:
-            self.stop_at = stops.find(text.text, searched)
-        if token in self.eos or self.stop_at is not None or complete:
-            self.finish = "stop"
-        elif (len(text.ids) >= self.max_tokens
-              or self.prompt_len + len(text.ids) >= self.max_context):
-            self.finish = "length"
-        elif self.should_stop():
+        for i, token in enumerate(tokens):
+            # Only text the new token can have changed is searched for stop strings.
+            searched = max(0, text.settled_length - stops.longest + 1)
+            text.add(token)
+            self.pending.append(token)
+            self.forced_tokens += forced[i]
+            entry = entries[i]
+            if entry is not None:
+                self.logprobs.append(entry)
+                self.pending_logprobs.append(entry)
+            if token not in self.eos and stops.stops:
+                self.stop_at = stops.find(text.text, searched)
+            if token in self.eos or self.stop_at is not None or (
+                    complete and i == len(tokens) - 1):
+                self.finish = "length" if self.closed else "stop"
+            elif (len(text.ids) >= self.max_tokens
+                  or self.prompt_len + len(text.ids) >= self.max_context):
+                self.finish = "length"
+            if self.finish is not None:
+                break
+        if self.finish is None and self.should_stop():
             self.finish = "cancelled"
         if self.finish is not None:
             self._flush()
@@ -182,7 +272,7 @@ class Decoding:
             if limit > self.released:
                 self._release(stable[self.released:limit])
                 self.released = limit
-        return token
+        return tokens
 
     def _release(self, text: str) -> None:
         """Pass ``text`` and the ids not yet passed (with their logprobs when asked)."""
@@ -194,19 +284,30 @@ class Decoding:
             self.pending_logprobs = []
         self.pending = []
 
-    def _note_logprobs(self, token: int, scores: np.ndarray) -> None:
+    def _entry(self, token: int, scores: np.ndarray | None) -> dict[str, Any] | None:
         """``token``'s log-probability and the ``top_logprobs`` likeliest, under the
         model's distribution (after a response format's mask; before temperature, top-p
-        and penalties, as OpenAI reports them)."""
+        and penalties, as OpenAI reports them); None when not asked. Tokens a mask rules
+        out are never alternatives."""
+        if scores is None:
+            return None
         n = self.top_logprobs or 0
         top = np.argpartition(scores, -n)[-n:] if n else np.empty(0, np.int64)
         top = top[np.argsort(-scores[top], kind="stable")]
+        top = top[np.isfinite(scores[top])]
         decode = self.tokenizer.decode
-        entry = {"token_id": token, "token": decode([token]), "logprob": float(scores[token]),
-                 "top": [{"token_id": int(t), "token": decode([int(t)]),
-                          "logprob": float(scores[t])} for t in top]}
-        self.logprobs.append(entry)
-        self.pending_logprobs.append(entry)
+        return {"token_id": token, "token": decode([token]), "logprob": float(scores[token]),
+                "top": [{"token_id": int(t), "token": decode([int(t)]),
+                         "logprob": float(scores[t])} for t in top]}
+
+    def _forced_entry(self, token: int) -> dict[str, Any] | None:
+        """A forced token's entry: certain (log-probability 0), nothing else possible;
+        None when not asked."""
+        if self.top_logprobs is None:
+            return None
+        text = self.tokenizer.decode([token])
+        top = [{"token_id": token, "token": text, "logprob": 0.0}] if self.top_logprobs else []
+        return {"token_id": token, "token": text, "logprob": 0.0, "top": top}
 
     def cancel(self) -> None:
         """End it as cancelled (before or between tokens)."""
@@ -233,7 +334,8 @@ class Decoding:
                        finish_reason=self.finish, prefill_s=t_prefill - t0,
                        ttft_s=(first - t0) if self.text.ids else 0.0,
                        decode_s=(t_end - first) if self.text.ids else 0.0,
-                       cached_tokens=cached, token_gaps=self.gaps)
+                       cached_tokens=cached, token_gaps=self.gaps,
+                       forced_tokens=self.forced_tokens, closed=self.closed)
 
 
 def run_generation(slot: Slot, prompt: Prompt, decoding: Decoding, *, chunk: int,
@@ -245,13 +347,13 @@ def run_generation(slot: Slot, prompt: Prompt, decoding: Decoding, *, chunk: int
         decoding.cancel()
         return decoding.outcome(t0, time.perf_counter(), cached)
     t_prefill = time.perf_counter()
-    # Decode-step inputs, reused every step.
-    position = np.zeros((3, 1), dtype=np.int64)
-    token_buf = np.zeros(1, dtype=np.int64)
     no_visual = np.zeros(1, dtype=bool)
-    while (token := decoding.accept(logits)) is not None:
-        position[:] = slot.past_len + prompt.rope_delta
-        token_buf[0] = token
-        logits = slot.step(slot.embed(token_buf), position, no_visual, slot.no_deepstack())
-        slot.history.append((token, None))
+    while (tokens := decoding.accept(logits)) is not None:
+        # One row, or a forced run in one step.
+        ids = np.asarray(tokens, dtype=np.int64)
+        at = slot.past_len + prompt.rope_delta + np.arange(len(ids), dtype=np.int64)
+        visual = no_visual if len(ids) == 1 else np.zeros(len(ids), dtype=bool)
+        logits = slot.step(slot.embed(ids), np.broadcast_to(at, (3, len(ids))), visual,
+                           slot.no_deepstack())
+        slot.history.extend((token, None) for token in tokens)
     return decoding.outcome(t0, t_prefill, cached)

@@ -68,7 +68,13 @@ class Sampler:
             token = int(np.argmax(logits))
         else:
             token = self._sample(logits / np.float32(p.temperature))
-        if p.frequency_penalty:
+        self.note(token)
+        return token
+
+    def note(self, token: int) -> None:
+        """``token`` is generated (chosen here, or forced by a response format): the
+        penalties count it from now on."""
+        if self.params.frequency_penalty:
             self._counts[token] += 1
         if not self._generated[token]:
             self._generated[token] = True
@@ -78,7 +84,6 @@ class Sampler:
             self._seen[token] = True
             self._seen_ids[self._n_seen] = token
             self._n_seen += 1
-        return token
 
     def _sample(self, scores: np.ndarray) -> int:
         p = self.params

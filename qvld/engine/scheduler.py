@@ -23,8 +23,10 @@ Policy between users (uids; with API keys, one per key):
   ones stay cached) and waits at the front of its user's queue; readmitted, it finds
   the blocks still cached and computes the rest again (its sampled token included),
   so its token ids are those it would have produced uninterrupted (vLLM's recompute).
-- **Rows of a step**: every decoding sequence's next token, then prompt chunks of
-  prefilling ones in admission order (at most ``engine.prefill_chunk`` each).
+- **Rows of a step**: every decoding sequence's next token, and the runs of tokens a
+  response format forced (each whole, up to ``engine.prefill_chunk``), then prompt
+  chunks of prefilling ones in admission order (at most ``engine.prefill_chunk``
+  each).
 
 Sequences whose client left or whose deadline passed leave at the next step, running
 or waiting.
@@ -137,13 +139,16 @@ class StepScheduler:
             self._admit(plan)
             self.peak_sequences = max(self.peak_sequences, len(self._running))
             runnable = [s for s in self._running if not s.outside]
-            plan.rows = [(s, 1) for s in runnable if not s.prefilling]
+            plan.rows = [(s, 1) for s in runnable if s.token is not None]
             budget = self.max_batch_tokens - len(plan.rows)
-            for seq in runnable:
+            # Generated rows (a forced run; rows computed again after the prompt) before
+            # prompt rows: a decoding sequence is not held back by others' prompts.
+            for seq in sorted((s for s in runnable if s.token is None),
+                              key=lambda s: s.in_prompt):
                 if budget <= 0:
                     break
-                if seq.prefilling:
-                    n = min(budget, self.chunk, len(seq.keys) - seq.fed)
+                n = min(budget, self.chunk, len(seq.keys) - seq.fed)
+                if n > 0:
                     plan.rows.append((seq, n))
                     budget -= n
         for seq in plan.stopped:

@@ -9,8 +9,11 @@ thread, with ``outcome`` or ``error`` set.
 
 Rows: ``keys`` names every row that is or will be in the KV cache (the prompt's, then
 each generated token once it has been fed); ``fed`` of them are. A sequence is
-*prefilling* while ``fed < len(keys)``: its prompt at first, and after a preemption the
-rows it must compute again (generated tokens included) before it decodes on.
+*prefilling* while ``fed < len(keys)``: its prompt at first, a run of tokens a response
+format forced (fed in one step, as a prompt chunk is), and after a preemption the rows
+it must compute again (generated tokens included); the last row's logits then choose
+its next token. A decoding sequence holds that token (``token``) until the step that
+feeds it.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class Sequence:
     outside: bool = False  # that prefill is running: not in the step's plan
     fed: int = 0
     keys: list[RowKey] = field(default_factory=list)
-    token: int | None = None  # sampled, not yet fed
+    token: int | None = None  # chosen, not yet fed (nothing else is waiting to be)
     t0: float = field(default_factory=time.perf_counter)
     t_prefill: float = 0.0
     submitted: float = field(default_factory=time.monotonic)
@@ -63,6 +66,21 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.fed < len(self.keys)
+
+    @property
+    def in_prompt(self) -> bool:
+        """Its prompt is not all fed yet (status calls it prefilling)."""
+        return self.fed < len(self.prompt.ids)
+
+    def take(self, tokens: list[int] | None) -> None:
+        """The tokens its decoding chose to feed next: one is its ``token``; a run (a
+        response format forced the rest) becomes rows to feed together."""
+        if tokens is None:
+            return
+        if len(tokens) == 1 and not self.prefilling:
+            self.token = tokens[0]
+        else:
+            self.keys.extend((token, None) for token in tokens)
 
     @property
     def generated(self) -> int:

@@ -46,6 +46,7 @@ class Usage:
     completion_tokens: int = 0
     image_tokens: int = 0
     cached_tokens: int = 0
+    forced_tokens: int = 0  # completion tokens a response format forced (not sampled)
 
 
 @dataclass
@@ -90,6 +91,8 @@ class GenerateResult:
     logprobs: list[dict[str, Any]] | None = None
     # The answer's calls of the request's tools (``text`` is what came before them).
     tool_calls: list[ToolCall] | None = None
+    # A response format ended the answer early, the budget running out (finish "length").
+    closed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out = {"text": self.text, "token_ids": self.token_ids,

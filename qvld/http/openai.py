@@ -418,12 +418,16 @@ def completion_id() -> str:
 
 
 def usage(result: dict[str, Any]) -> dict[str, Any]:
-    """protocol v1's usage, in OpenAI's names (image tokens count as prompt tokens)."""
+    """protocol v1's usage, in OpenAI's names (image tokens count as prompt tokens;
+    the tokens a response format forced, fed without sampling, under
+    ``completion_tokens_details``)."""
     u = result["usage"]
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"],
-                                      "image_tokens": u["image_tokens"]}}
+                                      "image_tokens": u["image_tokens"]},
+            "completion_tokens_details": {"reasoning_tokens": 0,
+                                          "forced_tokens": u.get("forced_tokens", 0)}}
 
 
 def _extras(result: dict[str, Any]) -> dict[str, Any]:

@@ -89,10 +89,21 @@ def test_required_returns_valid_calls_and_parallel_false_one(tiny_engine: Engine
     assert_valid(one.tool_calls)
 
 
-def test_a_call_cut_by_the_budget_is_text_and_length(tiny_engine: Engine) -> None:
-    result, streamed = ask(tiny_engine, "required", max_tokens=6)
-    assert result.finish_reason == "length" and result.tool_calls is None
-    assert result.text.startswith("<tool_call>") and streamed == result.text
+def test_a_call_the_budget_cannot_hold_is_refused_and_one_closed_early_is_a_call(
+        tiny_engine: Engine) -> None:
+    with pytest.raises(BadRequest, match="shortest answer is 65 tokens; this request "
+                                         "leaves room for 64"):
+        ask(tiny_engine, {"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=64)
+    free, _ = ask(tiny_engine, {"type": "function", "function": {"name": "get_weather"}})
+    assert free.finish_reason == "tool_calls" and free.usage.completion_tokens > 70
+    # The budget runs out inside the city: the constraint closes it, and the call stands.
+    result, streamed = ask(tiny_engine, {"type": "function", "function": {"name": "get_weather"}},
+                           max_tokens=68)
+    assert result.finish_reason == "length" and result.usage.completion_tokens <= 68
+    assert [c.name for c in result.tool_calls] == ["get_weather"]
+    assert_valid(result.tool_calls)
+    assert result.text == streamed == ""
 
 
 def test_none_does_not_show_the_tools(tiny_engine: Engine) -> None:

@@ -180,7 +180,9 @@ def test_replies_in_openais_shapes() -> None:
                                 "finish_reason": "length", "logprobs": None}]
     assert done["usage"] == {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23,
                              "prompt_tokens_details": {"cached_tokens": 4,
-                                                       "image_tokens": 16}}
+                                                       "image_tokens": 16},
+                             "completion_tokens_details": {"reasoning_tokens": 0,
+                                                           "forced_tokens": 0}}
     assert done["session"]["id"] == "s" and done["timings"] == {"ttft_s": 0.1}
     part = openai.chunk("chatcmpl-1", 5, "tiny", {"content": "To"})
     assert part["object"] == "chat.completion.chunk"

@@ -1,0 +1,223 @@
+"""Structured output faster than free text, and always closed, on the real tiny model.
+
+Fast-forward: the tokens a response format forces are fed in one step beside the chosen
+one; with ``engine.grammar_fast_forward`` off the same tokens are fed one step each. The
+two must give the same ids (the forced run is tokenised canonically either way) in
+fewer steps. Always closes: an answer the budget would cut is ended by the constraint
+as soon as the rest no longer fits, and still validates.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+
+from qvld.engine import Engine, GenerateRequest
+from qvld.engine.constraints import Finisher, GrammarCompiler, parse_response_format
+from qvld.engine.tools import parse_tools
+from qvld.errors import BadRequest
+from tests.conftest import TINY, parity_config
+from tests.engine.test_constraints import DATE, EOS, SYSTEM, WIRE, check_answer
+
+# Six required properties with long names and bounded values: most of the answer is
+# forced (keys, quotes, braces, commas, the enums' tails).
+EXTRACT = {"type": "object", "properties": {
+    "product_display_name": {"type": "string", "maxLength": 8},
+    "unit_price_in_whole_euros": {"type": "integer", "minimum": 0, "maximum": 999},
+    "currency_iso_code": {"enum": ["EUR", "USD", "GBP"]},
+    "currently_in_stock": {"type": "boolean"},
+    "customer_rating_out_of_five": {"type": "integer", "minimum": 1, "maximum": 5},
+    "shipping_category_label": {"enum": ["standard", "express", "freight"]}},
+    "required": ["product_display_name", "unit_price_in_whole_euros", "currency_iso_code",
+                 "currently_in_stock", "customer_rating_out_of_five",
+                 "shipping_category_label"],
+    "additionalProperties": False}
+# An unbounded string first: a random-weight model never ends it by itself.
+OPEN = {"type": "object", "properties": {
+    "note": {"type": "string"},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "score": {"type": "integer"}},
+    "required": ["note", "tags"]}
+FORMATS = {**WIRE, "extract": {"type": "json_schema", "schema": EXTRACT},
+           "open": {"type": "json_schema", "schema": OPEN}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def request(kind: str, n: int = 0, *, temperature: float = 0.0, max_tokens: int = 400,
+            choices: int = 1, **kw: Any) -> GenerateRequest:
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Question {n}: the product on the receipt?"}]
+    if kind == "tool":
+        return GenerateRequest(messages=messages, max_tokens=max_tokens,
+                               temperature=temperature, seed=n,
+                               tools=parse_tools([WEATHER], "required"), n=choices, **kw)
+    return GenerateRequest(messages=messages, max_tokens=max_tokens, temperature=temperature,
+                           seed=n, response_format=parse_response_format(FORMATS[kind]),
+                           n=choices, **kw)
+
+
+def validate(kind: str, text: str) -> None:
+    if kind in ("extract", "open"):
+        jsonschema.validate(json.loads(text), FORMATS[kind]["schema"])
+    elif kind != "tool":
+        check_answer(kind, text)
+
+
+@pytest.fixture(scope="module")
+def fast() -> Iterator[Engine]:
+    yield Engine(parity_config(TINY, prefill_chunk=64))
+
+
+@pytest.fixture(scope="module")
+def stepwise() -> Iterator[Engine]:
+    yield Engine(parity_config(TINY, prefill_chunk=64, grammar_fast_forward=False))
+
+
+def steps(engine: Engine, req: GenerateRequest, **kw: Any) -> tuple[Any, int]:
+    """The result and how many batched steps it took (the engine runs nothing else)."""
+    assert engine.batch is not None
+    before = engine.batch.steps
+    result = engine.generate(req, **kw)
+    return result, engine.batch.steps - before
+
+
+def test_forced_tokens_are_most_of_a_long_keyed_answer_and_cost_no_steps(
+        fast: Engine) -> None:
+    result, taken = steps(fast, request("extract"))
+    jsonschema.validate(json.loads(result.text), EXTRACT)
+    assert result.finish_reason == "stop" and not result.closed
+    usage = result.usage
+    assert usage.forced_tokens >= 0.4 * usage.completion_tokens, usage
+    # About one step per sampled token (after the prompt's): forced runs ride along.
+    sampled = usage.completion_tokens - usage.forced_tokens
+    assert len(result.mask_s) == sampled
+    prompt_steps = -(-(usage.prompt_tokens - usage.cached_tokens) // 64)
+    assert taken - prompt_steps <= sampled + 1 < usage.completion_tokens / 4
+
+
+@pytest.mark.parametrize("kind", ["extract", "receipt", "object", "date", "expression",
+                                  "pairs", "open", "tool"])
+def test_fast_forward_changes_the_steps_not_the_answer(fast: Engine, stepwise: Engine,
+                                                       kind: str) -> None:
+    for n, temperature in ((1, 0.0), (2, 0.9)):
+        one, one_steps = steps(fast, request(kind, n, temperature=temperature))
+        other, other_steps = steps(stepwise, request(kind, n, temperature=temperature))
+        assert one.token_ids == other.token_ids, (one.text, other.text)
+        assert one.text == other.text and one.finish_reason == other.finish_reason
+        assert one.usage.forced_tokens == other.usage.forced_tokens
+        if kind == "tool":
+            assert one.tool_calls is not None and other.tool_calls is not None
+            assert [(c.name, c.arguments) for c in one.tool_calls] == [
+                (c.name, c.arguments) for c in other.tool_calls]
+        else:
+            validate(kind, one.text)
+        # Step by step, every completion token is a step of its own, but a close.
+        assert other_steps >= other.usage.completion_tokens or other.closed
+        if one.usage.forced_tokens > 1:
+            assert one_steps < other_steps
+
+
+def test_the_alone_path_fast_forwards_to_the_same_answer(stepwise: Engine) -> None:
+    alone = Engine(parity_config(TINY, continuous_batching=False))
+    for kind in ("extract", "open", "tool"):
+        one = alone.generate(request(kind, 3))
+        other = stepwise.generate(request(kind, 3))
+        assert one.token_ids == other.token_ids
+        assert one.usage.forced_tokens == other.usage.forced_tokens > 0
+
+
+def test_an_unbounded_string_cut_by_max_tokens_still_validates(fast: Engine) -> None:
+    free = fast.generate(request("open", 4, max_tokens=300))
+    assert free.usage.completion_tokens > 30  # it would not end by itself within 30
+    streamed: list[str] = []
+    for max_tokens in (30, 24):
+        result = fast.generate(request("open", 4, max_tokens=max_tokens),
+                               on_token=lambda text, ids, **_: streamed.append(text))
+        document = json.loads(result.text)
+        jsonschema.validate(document, OPEN)
+        assert result.closed and result.finish_reason == "length"
+        assert result.usage.completion_tokens <= max_tokens
+        assert "".join(streamed) == result.text
+        streamed.clear()
+
+
+def test_sampled_answers_close_and_validate_at_every_budget(fast: Engine) -> None:
+    shortest = None
+    for max_tokens in range(21, 60, 6):
+        for n in range(3):
+            result = fast.generate(request("open", n, temperature=1.2, max_tokens=max_tokens))
+            jsonschema.validate(json.loads(result.text), OPEN)
+            assert result.usage.completion_tokens <= max_tokens
+            shortest = result.usage.completion_tokens if shortest is None else min(
+                shortest, result.usage.completion_tokens)
+    assert shortest is not None and shortest < 30
+
+
+def test_regexes_and_grammars_close_too(fast: Engine) -> None:
+    expression = fast.generate(request("expression", 6, temperature=1.0, max_tokens=400))
+    for max_tokens in (3, 5, 9):
+        result = fast.generate(request("expression", 6, temperature=1.0,
+                                       max_tokens=max_tokens))
+        check_answer("expression", result.text)
+        assert result.usage.completion_tokens <= max_tokens
+        if expression.usage.completion_tokens > max_tokens:
+            assert result.finish_reason == "length"
+
+
+def test_a_budget_below_the_shortest_answer_is_a_bad_request(fast: Engine) -> None:
+    with pytest.raises(BadRequest, match=r"shortest answer is \d+ tokens; this request "
+                                         r"leaves room for 10"):
+        fast.generate(request("extract", max_tokens=10))
+    with pytest.raises(BadRequest, match="leaves room for 9"):
+        fast.generate(request("date", max_tokens=9))  # a date is 10 characters
+    assert re.fullmatch(DATE, fast.generate(request("date", max_tokens=10)).text)
+
+
+def test_forced_tokens_report_certainty_in_logprobs(fast: Engine) -> None:
+    result = fast.generate(request("extract", 7, logprobs=2))
+    assert result.logprobs is not None
+    assert len(result.logprobs) == len(result.token_ids)
+    certain = [e for e in result.logprobs if e["logprob"] == 0.0 and len(e["top"]) == 1]
+    assert len(certain) >= result.usage.forced_tokens
+    for entry, token in zip(result.logprobs, result.token_ids, strict=True):
+        assert entry["token_id"] == token
+        assert all(np.isfinite(alt["logprob"]) for alt in entry["top"])
+
+
+def test_choices_and_sessions_fast_forward_too(fast: Engine) -> None:
+    prepared = fast.prepare(request("extract", 8, temperature=1.0, choices=3))
+    results = [g.future.result(60) for g in fast.submit_choices(prepared, [None] * 3)]
+    for result in results:
+        jsonschema.validate(json.loads(result.text), EXTRACT)
+        assert result.usage.forced_tokens >= 0.4 * result.usage.completion_tokens
+    assert len({r.text for r in results}) > 1
+    turns = [fast.generate(request("extract", 9, session="ff")) for _ in range(2)]
+    for turn in turns:
+        jsonschema.validate(json.loads(turn.text), EXTRACT)
+        assert turn.usage.forced_tokens > 0
+    assert turns[1].usage.cached_tokens > turns[0].usage.prompt_tokens // 2
+
+
+def test_the_finisher_ends_each_kind_of_grammar_from_its_start() -> None:
+    compiler = GrammarCompiler(TINY / "tokenizer.json", 768, EOS)
+    try:
+        for kind in ("extract", "receipt", "object", "date", "expression", "pairs", "open"):
+            fmt = parse_response_format(FORMATS[kind])
+            assert fmt is not None
+            constraint = compiler.start(fmt, 30)
+            constraint.wait()
+            assert constraint.shortest is not None, kind
+            text = compiler.finisher.tokenizer.decode_str(constraint.shortest)
+            validate(kind, text)
+    finally:
+        compiler.close()
+    assert isinstance(compiler.finisher, Finisher)
