@@ -68,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     compiler.close()
 
     t0 = time.perf_counter()
+    # Forced tokens one step each: this measures what the mask costs a step (fast-forward,
+    # which takes steps away, is bench/fast_forward.py's).
     engine = Engine(Config(model=ModelConfig(path=args.model),
-                           engine=EngineConfig(max_new_tokens=max(512, args.tokens))))
+                           engine=EngineConfig(max_new_tokens=max(512, args.tokens),
+                                               grammar_fast_forward=False)))
     engine.warmup()
     print(f"loaded in {time.perf_counter() - t0:.1f} s; {engine.runtime}")
 

@@ -198,10 +198,12 @@ class Handlers:
                 raise Timeout("the deadline passed while the request's images were "
                               f"decoded ({exc})") from None
             raise
-        if prepared.constraint is not None and not await self._compiled(
-                prepared.constraint, ctx):
-            ctx.outcome = "cancelled"
-            return cancelled_result().to_dict()
+        if prepared.constraint is not None:
+            if not await self._compiled(prepared.constraint, ctx):
+                ctx.outcome = "cancelled"
+                return cancelled_result().to_dict()
+            # No answer in the format fits max_tokens: refused before anything runs.
+            prepared.constraint.check_room(prepared.max_tokens)
         rid = ctx.request.id
 
         def events(index: int | None) -> TokenCallback:

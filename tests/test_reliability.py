@@ -280,6 +280,9 @@ REQUEST_CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("video_frames_769", {"messages": user({"type": "video", "frames": [b"x"] * 769})},
      "bad_request"),
     ("videos_5", {"messages": user(*[{"type": "video", "video": CLIP}] * 5)}, "bad_request"),
+    # No answer in the format fits max_tokens (2026-12-03): a date is 10 characters.
+    ("format_longer_than_max_tokens", {"messages": user(), "max_tokens": 9, "response_format": {
+        "type": "regex", "pattern": "20[0-9]{2}-[01][0-9]-[0-3][0-9]"}}, "bad_request"),
 ]
 
 

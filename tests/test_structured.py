@@ -293,7 +293,7 @@ def test_metrics_count_constrained_requests_compiles_and_mask_time(
         ("qvld_grammar_mask_seconds_count", ()), 0)
     # A mask per sampled token; the forced ones (the key, the braces) counted apart.
     forced = sum(r["usage"]["forced_tokens"] for r in results)
-    assert forced >= 2 * len("{'n':}")
+    assert forced >= 2 * len('{"n":')  # the key, its quotes and colon, in each
     assert masks == sum(r["usage"]["completion_tokens"] for r in results) - forced
     forced_total = "qvld_constrained_forced_tokens_total"
     assert constrained(after, forced_total)["json_schema"] - constrained(
@@ -333,6 +333,11 @@ def test_forced_tokens_are_counted_everywhere_and_a_cut_answer_still_parses(
     asked = qvlctl_json(daemon, "The product?", "--json-schema", str(schema_file))
     jsonschema.validate(json.loads(asked["text"]), EXTRACT)
     assert asked["usage"]["forced_tokens"] >= 0.4 * asked["usage"]["completion_tokens"]
+    out = daemon.qvlctl("ask", "The product?", "--json-schema", str(schema_file),
+                        "--temperature", "0")  # streamed: the timings line on stderr
+    assert out.returncode == 0, out.stderr
+    jsonschema.validate(json.loads(out.stdout), EXTRACT)
+    assert re.search(rb"\d+ generated \(\d+ forced\)", out.stderr), out.stderr
     cut = generate(daemon, {"messages": messages(8), "max_tokens": 30, "temperature": 1.0,
                             "seed": 8, "response_format": {"type": "json_schema",
                                                            "schema": OPEN}}, stream=True)

@@ -205,13 +205,15 @@ class Finisher:
         self._brackets: list[int] = [byte_token[b] for b in b"]}" if b in byte_token]
         self._letter = byte_token.get(ord("x"))  # in a JSON string, never outside one
         self._by_token = np.array([t for _, t in self._order], dtype=np.int64)
-        self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
 
     def finish(self, matcher: Any, limit: int, deadline: float = float("inf")
                ) -> list[int] | None:
         """The tokens that end ``matcher``'s grammar soon (it is not changed), or None."""
         trial = matcher.deep_copy()
         raw: list[int] = []
+        # Searches run on the step thread and on compile threads at once: a mask buffer
+        # of their own each.
+        bits = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
         while not trial.is_accepting():
             # Tokens of single bytes: the canonical tokenisation can be much shorter.
             if (len(raw) >= 4 * limit + 16 or trial.is_error()
@@ -223,13 +225,13 @@ class Finisher:
                     return None
                 raw.extend(forced)
                 continue
-            token = self._next(trial)
+            token = self._next(trial, bits)
             if token is None:
                 return None
             raw.append(token)
         return self._canonical(matcher, raw, limit)
 
-    def _next(self, trial: Any) -> int | None:
+    def _next(self, trial: Any, bits: np.ndarray) -> int | None:
         """Consume the finishing order's first allowed token on ``trial``; which."""
         # A bracket that closes an array or an object first ("[]" rather than '[""]'),
         # unless it would be a character of a string (then "x" is allowed after it).
@@ -241,8 +243,8 @@ class Finisher:
         for _, token in self._order[:_QUICK_TRIES]:
             if trial.try_consume_tokens([token]) == 1:
                 return token
-        trial.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        allowed = np.unpackbits(self._bits.view(np.uint8), count=self.vocab_size,
+        trial.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        allowed = np.unpackbits(bits.view(np.uint8), count=self.vocab_size,
                                 bitorder="little").view(bool)
         hits = np.flatnonzero(allowed[self._by_token])
         if hits.size:
@@ -589,6 +591,15 @@ class Constraint:
     def can_finish(self) -> bool:
         """Whether its finishing searches may go on (they have not taken too long)."""
         return self._compiler is not None and self.finish_s < FINISH_SECONDS_PER_REQUEST
+
+    def check_room(self, tokens: int) -> None:
+        """``bad_request`` when the grammar's shortest answer is longer than ``tokens``
+        (what max_tokens, or the context, leaves): no valid answer could be given."""
+        shortest = self.shortest
+        if shortest is not None and len(shortest) > tokens:
+            raise BadRequest(f"the response_format's shortest answer is {len(shortest)} "
+                             f"tokens; this request leaves room for {tokens} (max_tokens, "
+                             "or the context)")
 
     def finish(self, limit: int) -> list[int] | None:
         """A short way to end the answer from here, at most ``limit`` tokens (nothing is

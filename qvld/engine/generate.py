@@ -14,7 +14,6 @@ from qvld.engine.sampling import Sampler, StopStrings
 from qvld.engine.slots import Slot
 from qvld.engine.tokenizer import IncrementalText, TextTokenizer
 from qvld.engine.types import FinishReason, TokenCallback
-from qvld.errors import BadRequest
 
 
 def mrope_positions(length: int, images: Sequence[tuple[int, int, int]]
@@ -186,11 +185,8 @@ class Decoding:
                             ) -> list[int] | None:
         budget = self.budget
         if not self.text.ids:
+            constraint.check_room(budget)
             self._ending = constraint.shortest
-            if self._ending is not None and len(self._ending) > budget:
-                raise BadRequest(
-                    f"the response_format's shortest answer is {len(self._ending)} tokens; "
-                    f"this request leaves room for {budget} (max_tokens, or the context)")
         forced = constraint.forced()
         if forced:
             token = forced[0]

@@ -126,8 +126,12 @@ def test_fast_forward_changes_the_steps_not_the_answer(fast: Engine, stepwise: E
             assert one_steps < other_steps
 
 
-def test_the_alone_path_fast_forwards_to_the_same_answer(stepwise: Engine) -> None:
-    alone = Engine(parity_config(TINY, continuous_batching=False))
+@pytest.mark.parametrize("backend", ["openvino", "onnxruntime"])
+def test_the_alone_path_fast_forwards_to_the_same_answer(stepwise: Engine,
+                                                         backend: str) -> None:
+    """A generation on a slot of its own (no continuous batching; the ONNX Runtime
+    backend) feeds a forced run as one multi-row step."""
+    alone = Engine(parity_config(TINY, backend, continuous_batching=False))
     for kind in ("extract", "open", "tool"):
         one = alone.generate(request(kind, 3))
         other = stepwise.generate(request(kind, 3))
@@ -221,3 +225,69 @@ def test_the_finisher_ends_each_kind_of_grammar_from_its_start() -> None:
     finally:
         compiler.close()
     assert isinstance(compiler.finisher, Finisher)
+
+
+LOOPING = "ab|ba*c"  # from "b" the finisher's greedy order writes "a" for ever
+
+
+def test_a_grammar_the_finisher_cannot_end_from_some_states_still_matches(
+        fast: Engine) -> None:
+    fmt = {"type": "regex", "pattern": LOOPING}
+    for n in range(6):
+        result = fast.generate(GenerateRequest(
+            messages=[{"role": "user", "content": f"Letters {n}?"}], max_tokens=20,
+            temperature=1.5, seed=n, response_format=parse_response_format(fmt)))
+        assert re.fullmatch(LOOPING, result.text), result.text
+        assert result.usage.completion_tokens <= 20
+
+
+def test_a_requests_finishing_searches_are_bounded_in_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import qvld.engine.constraints as constraints
+
+    monkeypatch.setattr(constraints, "FINISH_SECONDS_PER_REQUEST", 0.05)
+    compiler = GrammarCompiler(TINY / "tokenizer.json", 768, EOS)
+    try:
+        fmt = parse_response_format({"type": "regex", "pattern": LOOPING})
+        assert fmt is not None
+        constraint = compiler.start(fmt, 30)
+        constraint.wait()
+        assert constraint.shortest is not None  # from the start: "ab"
+        assert constraint.finish(100) is not None and constraint.can_finish
+        (b,) = compiler.finisher.tokenizer.tokenize_str("b")
+        assert not constraint.advance(b)
+        while constraint.can_finish:  # each search runs to its limit, or out of time
+            assert constraint.finish(100_000) is None
+        assert constraint.finish(100) is None  # no more searches for this request
+        assert constraint.finish_s < 0.05 + 0.5
+    finally:
+        compiler.close()
+
+
+def test_a_preempted_generation_with_forced_rows_resumes_to_the_same_answer() -> None:
+    from tests.conftest import wait_for
+
+    engine = Engine(parity_config(TINY, infer_requests=2, max_sequences=2, prefill_chunk=16,
+                                  max_new_tokens=3000))
+    alone = Engine(parity_config(TINY, max_sequences=1, max_new_tokens=3000))
+    assert engine.batch is not None
+    many = {"type": "json_schema", "schema": {"type": "array", "items": EXTRACT,
+                                              "minItems": 12, "maxItems": 12}}
+
+    def long(n: int) -> GenerateRequest:
+        return GenerateRequest(messages=[{"role": "user", "content": f"Products {n}?"}],
+                               max_tokens=2500, temperature=0.0,
+                               response_format=parse_response_format(many))
+
+    alices = [engine.submit(engine.prepare(long(n), 1001)) for n in range(2)]
+    wait_for(lambda: all(g.seq is not None and g.seq.generated > 5 for g in alices), 30,
+             "alice's two generations to decode")
+    bob = engine.submit(engine.prepare(request("extract", 1), 1002)).future.result(60)
+    jsonschema.validate(json.loads(bob.text), EXTRACT)
+    assert engine.batch.scheduler.preemptions >= 1
+    assert any(g.seq is not None and g.seq.preemptions for g in alices)
+    for n, gen in enumerate(alices):
+        result = gen.future.result(120)
+        assert len(json.loads(result.text)) == 12
+        assert result.token_ids == alone.generate(long(n)).token_ids
+    assert engine.blocks is not None and engine.blocks.stats()["held"] == 0

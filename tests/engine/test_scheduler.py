@@ -63,7 +63,8 @@ def test_a_waiting_user_preempts_the_one_holding_every_place_and_no_token_change
 def test_equal_users_take_turns_whoever_came_first(alone: Engine) -> None:
     """One place: alice's three requests queue first; bob's, sent after, runs second."""
     engine = Engine(parity_config(TINY, infer_requests=1, max_sequences=1))
-    first = submit(engine, ask(60), ALICE)
+    # Long enough that it cannot end while the others are prepared on a loaded box.
+    first = submit(engine, ask(400), ALICE)
     wait_for(lambda: first.seq is not None and first.seq.admitted is not None, 30,
              "alice's first to run")
     later = [submit(engine, ask(20), ALICE) for _ in range(2)]
