@@ -69,6 +69,34 @@ def test_the_stream_carries_the_same_call_as_deltas(daemon: HttpDaemon) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_budget_too_small_for_a_call_is_a_400_and_a_tight_one_closes_it(
+        daemon: HttpDaemon) -> None:
+    """No call fits max_tokens 5: a 400 naming the shortest call; a budget a few tokens
+    over it: the call the constraint closed, finish "length", streamed as deltas."""
+    import openai
+
+    client = daemon.openai()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(  # type: ignore[call-overload]
+            model="tiny", messages=ASK, tools=[WEATHER], tool_choice=NAMED, max_tokens=5)
+    message = refused.value.body["message"]  # type: ignore[index]
+    shortest = int(message.split("shortest answer is ")[1].split()[0])
+    assert "leaves room for 5" in message and shortest > 5
+    free = client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=ASK, tools=[WEATHER], tool_choice=NAMED, temperature=0,
+        max_tokens=300)
+    assert free.usage.completion_tokens > shortest + 3  # the model writes a longer city
+    chunks = list(client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=ASK, tools=[WEATHER], tool_choice=NAMED, temperature=0,
+        max_tokens=shortest + 3, stream=True, stream_options={"include_usage": True}))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather"
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), WEATHER_PARAMETERS)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= shortest + 3
+
+
 def test_required_gives_tool_calls_with_ids(daemon: HttpDaemon) -> None:
     answer = daemon.openai().chat.completions.create(  # type: ignore[call-overload]
         model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
