@@ -129,5 +129,7 @@ def test_a_short_request_beside_another_users_long_ones(daemon: HttpDaemon) -> N
           f"{status['preemptions']} preemptions")
     assert still_running >= places  # bob did not wait for alice's to finish
     assert median <= 1.0
-    assert status["preemptions"] >= 3  # each of bob's took a place from alice
+    # Bob's took places from alice; one that came as an alice generation ended took the
+    # place it freed instead (admission prefers the user holding fewest), no preemption.
+    assert status["preemptions"] >= 1
     assert all(r["usage"]["completion_tokens"] == 512 for _, r in alice)  # type: ignore[index]
