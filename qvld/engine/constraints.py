@@ -181,6 +181,11 @@ FINISH_SECONDS_PER_REQUEST = 1.0
 START_FINISH_LIMIT = 2048
 
 
+def _allowed(bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """llguidance's bitmask (one bit per token, little-endian words) as booleans."""
+    return np.unpackbits(bits.view(np.uint8), count=vocab_size, bitorder="little").view(bool)
+
+
 class Finisher:
     """Finds a short way to end a grammar from a matcher's state: the tokens of an answer
     that ends as soon as the grammar lets it ("always closes").
@@ -192,9 +197,9 @@ class Finisher:
     bytes), else a special token it allows (``</tool_call>``), else its first allowed
     token. The result is tokenised canonically. Short, not always shortest: a string of
     minLength 2 becomes '"}}"', an integer of minimum 5 becomes ``9``, an enum its first
-    value in that order ("fahrenheit" before "celsius"). None when no end is found within ``limit``
-    tokens: the grammar's end is further, or the greedy path loops (a regex ``x(a|b)*c``
-    never reaches its ``c`` when ``a`` comes first in the order)."""
+    value in that order ("fahrenheit" before "celsius"). None when no end is found within
+    ``limit`` tokens: the grammar's end is further, or the greedy path loops (a regex
+    ``x(a|b)*c`` never reaches its ``c`` when ``a`` comes first in the order)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer
@@ -244,8 +249,7 @@ class Finisher:
             if trial.try_consume_tokens([token]) == 1:
                 return token
         trial.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-        allowed = np.unpackbits(bits.view(np.uint8), count=self.vocab_size,
-                                bitorder="little").view(bool)
+        allowed = _allowed(bits, self.vocab_size)
         hits = np.flatnonzero(allowed[self._by_token])
         if hits.size:
             token = int(self._by_token[hits[0]])
@@ -553,8 +557,7 @@ class Constraint:
         if self._matcher.is_error():
             self._gave_up()
         flat = logits.reshape(-1)  # a view: the sampler's logits are one row
-        allowed = np.unpackbits(bits.view(np.uint8), count=flat.size,
-                                bitorder="little").view(bool)
+        allowed = _allowed(bits, flat.size)
         np.putmask(flat, ~allowed, -np.inf)
         self.mask_s.append(time.perf_counter() - t0)
 

@@ -126,7 +126,8 @@ class Decoding:
       taken back and that end is emitted instead (``closed``; finish "length"). The
       shortest answer the grammar allows not fitting the budget at all is a
       ``bad_request`` at the first step.
-    - Forced tokens report log-probability 0 (the only choice), with no alternatives.
+    - Forced tokens report log-probability 0 (the only choice), themselves the only top
+      token.
     """
 
     def __init__(self, tokenizer: TextTokenizer, sampler: Sampler, *, prompt_len: int,
@@ -343,13 +344,11 @@ def run_generation(slot: Slot, prompt: Prompt, decoding: Decoding, *, chunk: int
         decoding.cancel()
         return decoding.outcome(t0, time.perf_counter(), cached)
     t_prefill = time.perf_counter()
-    no_visual = np.zeros(1, dtype=bool)
     while (tokens := decoding.accept(logits)) is not None:
         # One row, or a forced run in one step.
         ids = np.asarray(tokens, dtype=np.int64)
         at = slot.past_len + prompt.rope_delta + np.arange(len(ids), dtype=np.int64)
-        visual = no_visual if len(ids) == 1 else np.zeros(len(ids), dtype=bool)
-        logits = slot.step(slot.embed(ids), np.broadcast_to(at, (3, len(ids))), visual,
-                           slot.no_deepstack())
+        logits = slot.step(slot.embed(ids), np.broadcast_to(at, (3, len(ids))),
+                           np.zeros(len(ids), dtype=bool), slot.no_deepstack())
         slot.history.extend((token, None) for token in tokens)
     return decoding.outcome(t0, t_prefill, cached)
