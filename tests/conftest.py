@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -88,6 +89,52 @@ def parity_config(path: Path, backend: str = "openvino", **engine: Any) -> Confi
                           backend=backend),  # type: ignore[arg-type]
         engine=EngineConfig(**{"infer_requests": 2, **engine}),
     )
+
+
+class StepGate:
+    """Stops an engine's step thread between two steps, so a test can set up what must
+    happen there (another user's request waiting, say) however slow the machine:
+    ``gate.hold_when(predicate)`` returns once the step thread, after the first step at
+    whose end ``predicate()`` is true, waits at the gate (the predicate is checked on
+    the step thread, so nothing runs on between); ``gate.release()`` (or leaving the
+    ``with``) lets it go on."""
+
+    def __init__(self, engine: Engine) -> None:
+        assert engine.batch is not None, "a step gate needs continuous batching"
+        self.batch = engine.batch
+        self.previous = self.batch.on_step
+        self.until: Callable[[], bool] | None = None
+        self.open = threading.Event()
+        self.open.set()
+        self.held = threading.Event()  # the step thread waits at the gate
+
+    def _on_step(self, sequences: int, prefill_rows: int) -> None:
+        if self.previous is not None:
+            self.previous(sequences, prefill_rows)
+        if self.until is not None and self.until():
+            self.until = None
+            self.open.clear()
+            self.held.set()
+            self.open.wait()
+
+    def hold_when(self, predicate: Callable[[], bool], timeout: float = 30,
+                  what: str = "") -> None:
+        self.held.clear()
+        self.until = predicate
+        if not self.held.wait(timeout):
+            pytest.fail(f"not within {timeout} s: {what or predicate}")
+
+    def release(self) -> None:
+        self.until = None
+        self.open.set()
+
+    def __enter__(self) -> StepGate:
+        self.batch.on_step = self._on_step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+        self.batch.on_step = self.previous
 
 
 def reused(engine: Engine, rows: int) -> int:

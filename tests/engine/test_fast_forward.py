@@ -265,7 +265,7 @@ def test_a_requests_finishing_searches_are_bounded_in_time(
 
 
 def test_a_preempted_generation_with_forced_rows_resumes_to_the_same_answer() -> None:
-    from tests.conftest import wait_for
+    from tests.conftest import StepGate, wait_for
 
     engine = Engine(parity_config(TINY, infer_requests=2, max_sequences=2, prefill_chunk=16,
                                   max_new_tokens=3000))
@@ -279,10 +279,14 @@ def test_a_preempted_generation_with_forced_rows_resumes_to_the_same_answer() ->
                                max_tokens=2500, temperature=0.0,
                                response_format=parse_response_format(many))
 
-    alices = [engine.submit(engine.prepare(long(n), 1001)) for n in range(2)]
-    wait_for(lambda: all(g.seq is not None and g.seq.generated > 5 for g in alices), 30,
-             "alice's two generations to decode")
-    bob = engine.submit(engine.prepare(request("extract", 1), 1002)).future.result(60)
+    with StepGate(engine) as gate:
+        alices = [engine.submit(engine.prepare(long(n), 1001)) for n in range(2)]
+        # Bob arrives between two steps, however slow his prepare.
+        gate.hold_when(lambda: all(g.seq is not None and g.seq.generated > 5 for g in alices),
+                       what="alice's two generations to decode")
+        bobs = engine.submit(engine.prepare(request("extract", 1), 1002))
+        wait_for(lambda: engine.counts() == (2, 1), 30, "bob's to wait for a place")
+    bob = bobs.future.result(60)
     jsonschema.validate(json.loads(bob.text), EXTRACT)
     assert engine.batch.scheduler.preemptions >= 1
     assert any(g.seq is not None and g.seq.preemptions for g in alices)

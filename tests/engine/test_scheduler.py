@@ -12,7 +12,7 @@ import pytest
 from qvld.engine import Engine, GenerateRequest
 from qvld.engine.runners import Generation
 from qvld.errors import BadRequest, Busy
-from tests.conftest import TINY, load_reference, parity_config, wait_for, with_image_bytes
+from tests.conftest import TINY, StepGate, load_reference, parity_config, wait_for, with_image_bytes
 
 CASES = {c["name"]: c for c in load_reference(TINY)["cases"]}
 ALICE, BOB = 1001, 1002
@@ -38,14 +38,16 @@ def test_a_waiting_user_preempts_the_one_holding_every_place_and_no_token_change
     engine = Engine(parity_config(TINY, infer_requests=2, max_sequences=2, prefill_chunk=16))
     assert engine.batch is not None
     scheduler = engine.batch.scheduler
-    # Long enough that neither can end while bob's request is prepared on a loaded box.
     long_greedy = ask(400, "image_photo")
     long_sampled = ask(400, temperature=1.0, seed=7)
-    alices = [submit(engine, long_greedy, ALICE), submit(engine, long_sampled, ALICE)]
-    wait_for(lambda: all(g.seq is not None and g.seq.generated > 5 for g in alices), 30,
-             "alice's two generations to decode")
-    assert scheduler.counts() == (2, 0)
-    bob = submit(engine, ask(8, "image_gray"), BOB)
+    with StepGate(engine) as gate:
+        alices = [submit(engine, long_greedy, ALICE), submit(engine, long_sampled, ALICE)]
+        # Bob arrives between two steps, however slow his prepare.
+        gate.hold_when(lambda: all(g.seq is not None and g.seq.generated > 5 for g in alices),
+                       what="alice's two generations to decode")
+        assert scheduler.counts() == (2, 0)
+        bob = submit(engine, ask(8, "image_gray"), BOB)
+        wait_for(lambda: engine.counts() == (2, 1), 30, "bob's to wait for a place")
     answer = bob.future.result(60)
     # Bob got a place at once: one of alice's gave it up, then resumed.
     assert scheduler.preemptions >= 1
@@ -63,14 +65,16 @@ def test_a_waiting_user_preempts_the_one_holding_every_place_and_no_token_change
 def test_equal_users_take_turns_whoever_came_first(alone: Engine) -> None:
     """One place: alice's three requests queue first; bob's, sent after, runs second."""
     engine = Engine(parity_config(TINY, infer_requests=1, max_sequences=1))
-    # Long enough that it cannot end while the others are prepared on a loaded box.
-    first = submit(engine, ask(400), ALICE)
-    wait_for(lambda: first.seq is not None and first.seq.admitted is not None, 30,
-             "alice's first to run")
-    later = [submit(engine, ask(20), ALICE) for _ in range(2)]
-    wait_for(lambda: engine.counts()[1] == 2 and all(g.seq for g in later), 30,
-             "alice's others to wait")
-    bob = submit(engine, ask(20), BOB)
+    with StepGate(engine) as gate:  # the others arrive while alice's first runs
+        first = submit(engine, ask(40), ALICE)
+        gate.hold_when(lambda: first.seq is not None and first.seq.admitted is not None,
+                       what="alice's first to run")
+        later = [submit(engine, ask(20), ALICE) for _ in range(2)]
+        wait_for(lambda: engine.counts()[1] == 2 and all(g.seq for g in later), 30,
+                 "alice's others to wait")
+        bob = submit(engine, ask(20), BOB)
+        wait_for(lambda: engine.counts()[1] == 3 and bob.seq, 30, "bob's to wait")
+        assert not first.future.done()
     bob.future.result(60)
     for gen in later:
         gen.future.result(60)
@@ -82,16 +86,18 @@ def test_equal_users_take_turns_whoever_came_first(alone: Engine) -> None:
 
 def test_a_waiting_generation_leaves_at_once_when_cancelled() -> None:
     engine = Engine(parity_config(TINY, infer_requests=1, max_sequences=1))
-    running = submit(engine, ask(400), ALICE)
-    waiting = submit(engine, ask(400), BOB)
-    wait_for(lambda: waiting.seq is not None, 30, "bob's to wait for a place")
-    assert engine.counts() == (1, 1)
-    t0 = time.monotonic()
-    engine.cancel(waiting)
-    result = waiting.future.result(5)
-    assert result.finish_reason == "cancelled" and time.monotonic() - t0 < 1
-    assert not running.future.done()
-    engine.cancel(running)
+    with StepGate(engine) as gate:  # no step runs while bob's is cancelled
+        running = submit(engine, ask(400), ALICE)
+        waiting = submit(engine, ask(400), BOB)
+        gate.hold_when(lambda: waiting.seq is not None and running.seq is not None
+                       and running.seq.admitted is not None, what="bob's to wait for a place")
+        assert engine.counts() == (1, 1)
+        t0 = time.monotonic()
+        engine.cancel(waiting)
+        result = waiting.future.result(5)
+        assert result.finish_reason == "cancelled" and time.monotonic() - t0 < 1
+        assert not running.future.done()
+        engine.cancel(running)
     assert running.future.result(10).finish_reason == "cancelled"
     assert engine.counts() == (0, 0) and engine.generations() == []
     assert engine.blocks is not None and engine.blocks.stats()["held"] == 0
