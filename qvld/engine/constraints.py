@@ -173,12 +173,32 @@ _FINISH_ORDER = (b'"}],' + b"0987654321" + b"tfn[{-.:" + bytes(range(ord("a"), o
                  + bytes(range(ord("A"), ord("Z") + 1)) + b" _")
 _FINISH_ORDER += bytes(b for b in range(32, 127) if b not in _FINISH_ORDER)
 _QUICK_TRIES = 4  # tried one by one before the grammar's whole mask is computed
-# A request's finishing searches may take this long in all (a grammar whose greedy path
-# loops could otherwise cost every step of the shared loop a search of the whole budget);
-# past it the request gives up closing early (its answer may then be cut like free text).
-FINISH_SECONDS_PER_REQUEST = 1.0
+# Finishing searches are bounded in matcher operations, never in seconds: the same
+# request gets the same answer however loaded the machine (a wall-clock bound made an
+# answer's end depend on the load: CI saw it). A step of a search costs one unit, a
+# whole mask _MASK_UNITS more (the costly operation with a real vocabulary).
+_MASK_UNITS = 16
+# What a request's searches may cost in all (a grammar whose greedy path loops could
+# otherwise cost every step of the shared loop a search of the whole budget); past it
+# the request gives up closing early (its answer may then be cut like free text). An
+# ending still valid after the step is reused without a search (in a string, say), so
+# most steps cost no search at all.
+FINISH_WORK_PER_REQUEST = 65_536
 # A search from the grammar's start: the shortest answer it allows (compile thread).
 START_FINISH_LIMIT = 2048
+START_FINISH_WORK = 65_536
+
+
+class SearchWork:
+    """What finishing searches may still cost (units: see ``_MASK_UNITS``)."""
+
+    def __init__(self, units: int) -> None:
+        self.left = units
+
+    def spend(self, units: int) -> bool:
+        """Take ``units``; False when there were not that many left."""
+        self.left -= units
+        return self.left >= 0
 
 
 def _allowed(bits: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -211,9 +231,16 @@ class Finisher:
         self._letter = byte_token.get(ord("x"))  # in a JSON string, never outside one
         self._by_token = np.array([t for _, t in self._order], dtype=np.int64)
 
-    def finish(self, matcher: Any, limit: int, deadline: float = float("inf")
-               ) -> list[int] | None:
-        """The tokens that end ``matcher``'s grammar soon (it is not changed), or None."""
+    def finish(self, matcher: Any, limit: int, work: SearchWork,
+               known: Sequence[int] | None = None) -> list[int] | None:
+        """The tokens that end ``matcher``'s grammar soon (it is not changed), or None
+        (none within ``limit`` tokens, or ``work`` ran out). ``known``: an ending found
+        before the last tokens; taken as it is when it still ends the grammar from here
+        within ``limit`` (no search)."""
+        if known is not None and len(known) <= limit:
+            check = matcher.deep_copy()
+            if check.consume_tokens(list(known)) and check.is_accepting():
+                return list(known)
         trial = matcher.deep_copy()
         raw: list[int] = []
         # Searches run on the step thread and on compile threads at once: a mask buffer
@@ -221,8 +248,7 @@ class Finisher:
         bits = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
         while not trial.is_accepting():
             # Tokens of single bytes: the canonical tokenisation can be much shorter.
-            if (len(raw) >= 4 * limit + 16 or trial.is_error()
-                    or time.perf_counter() > deadline):
+            if len(raw) >= 4 * limit + 16 or trial.is_error() or not work.spend(1):
                 return None
             forced = trial.compute_ff_tokens()
             if forced:
@@ -230,13 +256,13 @@ class Finisher:
                     return None
                 raw.extend(forced)
                 continue
-            token = self._next(trial, bits)
+            token = self._next(trial, bits, work)
             if token is None:
                 return None
             raw.append(token)
         return self._canonical(matcher, raw, limit)
 
-    def _next(self, trial: Any, bits: np.ndarray) -> int | None:
+    def _next(self, trial: Any, bits: np.ndarray, work: SearchWork) -> int | None:
         """Consume the finishing order's first allowed token on ``trial``; which."""
         # A bracket that closes an array or an object first ("[]" rather than '[""]'),
         # unless it would be a character of a string (then "x" is allowed after it).
@@ -248,6 +274,8 @@ class Finisher:
         for _, token in self._order[:_QUICK_TRIES]:
             if trial.try_consume_tokens([token]) == 1:
                 return token
+        if not work.spend(_MASK_UNITS):
+            return None
         trial.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
         allowed = _allowed(bits, self.vocab_size)
         hits = np.flatnonzero(allowed[self._by_token])
@@ -447,7 +475,7 @@ class GrammarCompiler:
             error = matcher.get_error() if matcher.is_error() else None
             if error is None:
                 shortest = self.finisher.finish(matcher, START_FINISH_LIMIT,
-                                                time.perf_counter() + 0.5)
+                                                SearchWork(START_FINISH_WORK))
         except Exception as exc:  # llguidance raises ValueError; the GBNF converter others
             matcher, error = None, str(exc) or type(exc).__name__
         result = Compiled(None if error else matcher, error, time.perf_counter() - t0,
@@ -498,7 +526,8 @@ class Constraint:
         self._bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         self.compile_s: float | None = None  # None while not compiled, and when cached
         self.mask_s: list[float] = []  # each step's mask computation and application
-        self.finish_s = 0.0  # spent finding ways to end the answer (``finish``)
+        # What finding ways to end the answer (``finish``) may still cost.
+        self.finish_work = SearchWork(FINISH_WORK_PER_REQUEST)
 
     def failed(self) -> str | None:
         """Why the compile failed, when it has already finished and failed (cheap: lets
@@ -592,8 +621,8 @@ class Constraint:
 
     @property
     def can_finish(self) -> bool:
-        """Whether its finishing searches may go on (they have not taken too long)."""
-        return self._compiler is not None and self.finish_s < FINISH_SECONDS_PER_REQUEST
+        """Whether its finishing searches may go on (they have not cost too much)."""
+        return self._compiler is not None and self.finish_work.left > 0
 
     def check_room(self, tokens: int) -> None:
         """``bad_request`` when the grammar's shortest answer is longer than ``tokens``
@@ -604,20 +633,16 @@ class Constraint:
                              f"tokens; this request leaves room for {tokens} (max_tokens, "
                              "or the context)")
 
-    def finish(self, limit: int) -> list[int] | None:
+    def finish(self, limit: int, known: Sequence[int] | None = None) -> list[int] | None:
         """A short way to end the answer from here, at most ``limit`` tokens (nothing is
-        consumed); None when none is found, or when this request's searches have taken
-        ``FINISH_SECONDS_PER_REQUEST`` already."""
+        consumed): ``known`` (an ending found before the last tokens) when it still is
+        one, else a search's; None when none is found, or when this request's searches
+        have cost ``FINISH_WORK_PER_REQUEST`` already."""
         assert self._matcher is not None
         if not self.can_finish:
             return None
         assert self._compiler is not None
-        t0 = time.perf_counter()
-        try:
-            return self._compiler.finisher.finish(
-                self._matcher, limit, t0 + FINISH_SECONDS_PER_REQUEST - self.finish_s)
-        finally:
-            self.finish_s += time.perf_counter() - t0
+        return self._compiler.finisher.finish(self._matcher, limit, self.finish_work, known)
 
     def _gave_up(self) -> NoReturn:
         """The matcher stopped inside a grammar that compiled: its parser passed one of

@@ -213,10 +213,10 @@ class Decoding:
                 if complete:
                     break
         if not complete and run[-1] not in self.eos and self._ending is not None:
-            ending = constraint.finish(budget - len(run))
+            ending = constraint.finish(budget - len(run), known=self._ending)
             if ending is not None:
                 self._ending = ending
-            elif not constraint.can_finish:  # its searches took too long: no more
+            elif not constraint.can_finish:  # its searches cost too much: no more
                 self._ending = None
             else:  # no end fits after this run: end from before it, as known to fit
                 constraint.rollback(len(run))

@@ -241,11 +241,11 @@ def test_a_grammar_the_finisher_cannot_end_from_some_states_still_matches(
         assert result.usage.completion_tokens <= 20
 
 
-def test_a_requests_finishing_searches_are_bounded_in_time(
+def test_a_requests_finishing_searches_are_bounded_in_work(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import qvld.engine.constraints as constraints
 
-    monkeypatch.setattr(constraints, "FINISH_SECONDS_PER_REQUEST", 0.05)
+    monkeypatch.setattr(constraints, "FINISH_WORK_PER_REQUEST", 500)
     compiler = GrammarCompiler(TINY / "tokenizer.json", 768, EOS)
     try:
         fmt = parse_response_format({"type": "regex", "pattern": LOOPING})
@@ -256,12 +256,50 @@ def test_a_requests_finishing_searches_are_bounded_in_time(
         assert constraint.finish(100) is not None and constraint.can_finish
         (b,) = compiler.finisher.tokenizer.tokenize_str("b")
         assert not constraint.advance(b)
-        while constraint.can_finish:  # each search runs to its limit, or out of time
+        searches = 0
+        while constraint.can_finish:  # each search runs to its limit, or out of work
             assert constraint.finish(100_000) is None
+            searches += 1
+        assert searches == 1 and constraint.finish_work.left <= 0
         assert constraint.finish(100) is None  # no more searches for this request
-        assert constraint.finish_s < 0.05 + 0.5
     finally:
         compiler.close()
+
+
+def test_a_slow_machine_gets_the_same_answers(fast: Engine,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing early depends on the grammar and the tokens, never on the clock: with
+    every clock reading a second after the last (a machine a thousand times slower),
+    the answers that close early, and the others, are the same ids."""
+    import qvld.engine.constraints as constraints
+    import qvld.engine.generate as generate
+
+    expected = {kind: fast.generate(request(kind, 5, max_tokens=200)).token_ids
+                for kind in ("extract", "open", "object", "receipt")}
+    fake = FakeClock()
+    for module in (constraints, generate):
+        monkeypatch.setattr(module, "time", fake)
+    for kind, ids in expected.items():
+        result = fast.generate(request(kind, 5, max_tokens=200))
+        assert result.token_ids == ids, kind
+    assert fake.readings > 100
+
+
+class FakeClock:
+    """``time`` as a module, but every ``perf_counter`` reading a second after the last."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.readings = 0
+        self._time = time
+
+    def perf_counter(self) -> float:
+        self.readings += 1
+        return float(self.readings)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._time, name)
 
 
 def test_a_preempted_generation_with_forced_rows_resumes_to_the_same_answer() -> None:
