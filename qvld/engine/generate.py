@@ -186,6 +186,9 @@ class Decoding:
                             ) -> list[int] | None:
         budget = self.budget
         if not self.text.ids:
+            # Compiled before the shortest answer is read: a compile still running (a
+            # loaded machine) must not leave this answer without a way to close.
+            constraint.wait()
             constraint.check_room(budget)
             self._ending = constraint.shortest
         forced = constraint.forced()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -333,3 +334,26 @@ def test_a_preempted_generation_with_forced_rows_resumes_to_the_same_answer() ->
         assert len(json.loads(result.text)) == 12
         assert result.token_ids == alone.generate(long(n)).token_ids
     assert engine.blocks is not None and engine.blocks.stats()["held"] == 0
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_an_answer_closes_when_its_compile_ends_after_the_prompt(
+        batching: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile still running when the prompt is fed (a loaded machine) is waited for
+    before the answer's first token: the answer still has its way to close."""
+    slow = threading.Event()
+    compile_ = GrammarCompiler._compile
+
+    def late(self: GrammarCompiler, fmt: Any) -> Any:
+        assert slow.wait(30)
+        return compile_(self, fmt)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", late)
+    engine = Engine(parity_config(TINY, continuous_batching=batching))
+    prepared = engine.prepare(request("open", 6, max_tokens=40))
+    assert prepared.constraint is not None and not prepared.constraint.future.done()
+    gen = engine.submit(prepared)
+    threading.Timer(0.5, slow.set).start()
+    result = gen.future.result(60)
+    jsonschema.validate(json.loads(result.text), OPEN)
+    assert result.finish_reason == "length" and result.closed
