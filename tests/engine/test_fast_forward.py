@@ -324,7 +324,8 @@ def test_a_preempted_generation_with_forced_rows_resumes_to_the_same_answer() ->
         gate.hold_when(lambda: all(g.seq is not None and g.seq.generated > 5 for g in alices),
                        what="alice's two generations to decode")
         bobs = engine.submit(engine.prepare(request("extract", 1), 1002))
-        wait_for(lambda: engine.counts() == (2, 1), 30, "bob's to wait for a place")
+        wait_for(lambda: engine.batch is not None and engine.batch.scheduler.counts() == (2, 1),
+                 30, "bob's to wait for a place")
     bob = bobs.future.result(60)
     jsonschema.validate(json.loads(bob.text), EXTRACT)
     assert engine.batch.scheduler.preemptions >= 1

@@ -47,7 +47,8 @@ def test_a_waiting_user_preempts_the_one_holding_every_place_and_no_token_change
                        what="alice's two generations to decode")
         assert scheduler.counts() == (2, 0)
         bob = submit(engine, ask(8, "image_gray"), BOB)
-        wait_for(lambda: engine.counts() == (2, 1), 30, "bob's to wait for a place")
+        # In the scheduler's queue, his image encoded: the place must come from alice.
+        wait_for(lambda: scheduler.counts() == (2, 1), 30, "bob's to wait for a place")
     answer = bob.future.result(60)
     # Bob got a place at once: one of alice's gave it up, then resumed.
     assert scheduler.preemptions >= 1
@@ -65,15 +66,16 @@ def test_a_waiting_user_preempts_the_one_holding_every_place_and_no_token_change
 def test_equal_users_take_turns_whoever_came_first(alone: Engine) -> None:
     """One place: alice's three requests queue first; bob's, sent after, runs second."""
     engine = Engine(parity_config(TINY, infer_requests=1, max_sequences=1))
+    assert engine.batch is not None
+    scheduler = engine.batch.scheduler
     with StepGate(engine) as gate:  # the others arrive while alice's first runs
         first = submit(engine, ask(40), ALICE)
         gate.hold_when(lambda: first.seq is not None and first.seq.admitted is not None,
                        what="alice's first to run")
         later = [submit(engine, ask(20), ALICE) for _ in range(2)]
-        wait_for(lambda: engine.counts()[1] == 2 and all(g.seq for g in later), 30,
-                 "alice's others to wait")
+        wait_for(lambda: scheduler.counts() == (1, 2), 30, "alice's others to wait")
         bob = submit(engine, ask(20), BOB)
-        wait_for(lambda: engine.counts()[1] == 3 and bob.seq, 30, "bob's to wait")
+        wait_for(lambda: scheduler.counts() == (1, 3), 30, "bob's to wait")
         assert not first.future.done()
     bob.future.result(60)
     for gen in later:
@@ -89,7 +91,9 @@ def test_a_waiting_generation_leaves_at_once_when_cancelled() -> None:
     with StepGate(engine) as gate:  # no step runs while bob's is cancelled
         running = submit(engine, ask(400), ALICE)
         waiting = submit(engine, ask(400), BOB)
-        gate.hold_when(lambda: waiting.seq is not None and running.seq is not None
+        assert engine.batch is not None
+        scheduler = engine.batch.scheduler
+        gate.hold_when(lambda: scheduler.counts() == (1, 1) and running.seq is not None
                        and running.seq.admitted is not None, what="bob's to wait for a place")
         assert engine.counts() == (1, 1)
         t0 = time.monotonic()
