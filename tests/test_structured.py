@@ -253,12 +253,22 @@ def test_a_schema_that_compiles_but_overflows_the_parser_is_a_logged_once_400(
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
                        "response_format": {"type": "json_schema", "json_schema": {
                            "name": "wide", "schema": schema}}}).encode()
-    for attempt in range(10):
+    gave_up = 0
+    for attempt in range(20):
         status, _, reply = daemon.request("POST", "/v1/chat/completions", body,
                                           {"Content-Type": "application/json"})
         assert status == 400, (attempt, reply)
         assert reply["error"]["code"] == "bad_request"
-        assert "grammar engine" in reply["error"]["message"], reply
+        message = reply["error"]["message"]
+        # Its compile takes about 0.7 s here, so on a loaded machine the first requests
+        # may pass the daemon's 2 s compile timeout; the compile goes on and is cached.
+        if not gave_up and "took longer than engine.grammar_compile_timeout_s" in message:
+            continue
+        assert "grammar engine" in message, reply
+        gave_up += 1
+        if gave_up == 10:
+            break
+    assert gave_up == 10
     log = daemon.log()
     assert log.count("the grammar engine gave up following it") == 1
     assert "Traceback" not in log
