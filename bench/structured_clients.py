@@ -64,22 +64,22 @@ def main() -> int:
                     model="tiny", max_tokens=300, response_format=schema,
                     messages=[{"role": "user", "content": "List the products."}])
 
-        alone = []
-        for i in range(3):
-            t0 = time.perf_counter()
-            client.chat.completions.create(model="tiny", max_tokens=16, messages=[
-                {"role": "user", "content": f"Hi {i}"}])
-            alone.append(time.perf_counter() - t0)
+        def bobs_questions() -> list[float]:
+            """Seconds for each of three 16-token free-text questions."""
+            seconds = []
+            for i in range(3):
+                t0 = time.perf_counter()
+                client.chat.completions.create(model="tiny", max_tokens=16, messages=[
+                    {"role": "user", "content": f"Hi {i}"}])
+                seconds.append(time.perf_counter() - t0)
+            return seconds
+
+        alone = bobs_questions()
         threads = [threading.Thread(target=flood) for _ in range(3)]
         for thread in threads:
             thread.start()
         time.sleep(1)  # the floods under way (a bench, not a test)
-        beside = []
-        for i in range(3):
-            t0 = time.perf_counter()
-            client.chat.completions.create(model="tiny", max_tokens=16, messages=[
-                {"role": "user", "content": f"Hi {i}"}])
-            beside.append(time.perf_counter() - t0)
+        beside = bobs_questions()
         stop.set()
         for thread in threads:
             thread.join()
