@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.constraints import Finisher, GrammarCompiler, parse_response_format
+from qvld.engine.constraints import Constraint, Finisher, GrammarCompiler, parse_response_format
 from qvld.engine.tools import parse_tools
 from qvld.errors import BadRequest
 from tests.conftest import TINY, parity_config
@@ -342,19 +342,25 @@ def test_an_answer_closes_when_its_compile_ends_after_the_prompt(
         batching: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compile still running when the prompt is fed (a loaded machine) is waited for
     before the answer's first token: the answer still has its way to close."""
-    slow = threading.Event()
-    compile_ = GrammarCompiler._compile
+    slow, needed = threading.Event(), threading.Event()
+    compile_, wait = GrammarCompiler._compile, Constraint.wait
 
     def late(self: GrammarCompiler, fmt: Any) -> Any:
         assert slow.wait(30)
         return compile_(self, fmt)
 
+    def waited(self: Constraint) -> None:
+        needed.set()  # the generation needs the compile now: it may end
+        wait(self)
+
     monkeypatch.setattr(GrammarCompiler, "_compile", late)
+    monkeypatch.setattr(Constraint, "wait", waited)
     engine = Engine(parity_config(TINY, continuous_batching=batching))
     prepared = engine.prepare(request("open", 6, max_tokens=40))
     assert prepared.constraint is not None and not prepared.constraint.future.done()
     gen = engine.submit(prepared)
-    threading.Timer(0.5, slow.set).start()
+    assert needed.wait(30)
+    slow.set()
     result = gen.future.result(60)
     jsonschema.validate(json.loads(result.text), OPEN)
     assert result.finish_reason == "length" and result.closed
