@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -103,24 +104,37 @@ def test_partial_frame_times_out(one_worker: Daemon) -> None:
         assert client.health()["ready"]
 
 
+def finished_generations(log: str) -> list[tuple[int, int]]:
+    """(uid, request id) of each generation, in the order the daemon answered them."""
+    return [(int(uid), int(rid)) for rid, uid in re.findall(
+        r"request \d+/(\d+) uid=(\d+) op=generate outcome=\w+", log)]
+
+
 def test_fairness_between_two_uids(shared_dir: Path) -> None:
     daemon = Daemon(shared_dir, args=[*ONE_WORKER, *sets(
         "server.socket_mode=0666", f"server.allow_uids=[{NOBODY}]")]).start()
     try:
         with daemon.client() as client:
-            for rid in range(1, 5):  # uid 0: one running, three waiting
-                client.send(gen(rid, 250))
+            # uid 0: one running (long enough to outlast any start-up), three waiting.
+            client.send(gen(1, 4000))
+            for rid in (2, 3, 4):
+                client.send(gen(rid, 50))
             daemon.wait_queue(running=1, waiting=3)
-            other = run_as(NOBODY, daemon.socket, [gen(1, 250)], wait=False)
-            done: dict[int, float] = {}
-            while len(done) < 4:
+            other = run_as(NOBODY, daemon.socket, [gen(1, 50)], wait=False)
+            daemon.wait_queue(running=1, waiting=4)  # uid 65534 waits behind uid 0's three
+            client.send({"id": 9, "op": "cancel", "params": {"target": 1}})
+            replies: dict[int, dict[str, Any]] = {}
+            while len(replies) < 5:
                 reply = client.receive()
-                assert reply["ok"], reply
-                done[reply["id"]] = time.time()
+                replies[reply["id"]] = reply
         assert isinstance(other, subprocess.Popen)
-        other_done = read_replies(other)[-1][0]
-        # uid 65534 came last but ran second: before uid 0's second waiting job.
-        assert done[1] < other_done < done[3] < done[4]
+        assert read_replies(other)[-1][1]["ok"]
+        assert replies[1]["result"]["finish_reason"] == "cancelled"
+        assert all(replies[rid]["ok"] for rid in (2, 3, 4, 9)), replies
+        # uid 65534 came last but ran next: before every waiting job of uid 0. The order
+        # is the daemon's own (its request log), not arrival times in two processes.
+        order = [entry for entry in finished_generations(daemon.log()) if entry != (0, 1)]
+        assert order == [(NOBODY, 1), (0, 2), (0, 3), (0, 4)], daemon.log()
     finally:
         assert daemon.stop() == 0
 
