@@ -110,6 +110,12 @@ def finished_generations(log: str) -> list[tuple[int, int]]:
         r"request \d+/(\d+) uid=(\d+) op=generate outcome=\w+", log)]
 
 
+def stages(daemon: Daemon) -> list[tuple[int, str]]:
+    """(uid, stage) of each generation the daemon holds, from the status op."""
+    with daemon.client(timeout=10) as client:
+        return sorted((g["uid"], g["stage"]) for g in client.status()["generations"])
+
+
 def test_fairness_between_two_uids(shared_dir: Path) -> None:
     daemon = Daemon(shared_dir, args=[*ONE_WORKER, *sets(
         "server.socket_mode=0666", f"server.allow_uids=[{NOBODY}]")]).start()
@@ -121,7 +127,11 @@ def test_fairness_between_two_uids(shared_dir: Path) -> None:
                 client.send(gen(rid, 50))
             daemon.wait_queue(running=1, waiting=3)
             other = run_as(NOBODY, daemon.socket, [gen(1, 50)], wait=False)
-            daemon.wait_queue(running=1, waiting=4)  # uid 65534 waits behind uid 0's three
+            # uid 65534's waits for a place behind uid 0's three: encoded, in the step
+            # loop's own queue (its stage is "encoding" until then, counted as waiting).
+            wait_for(lambda: stages(daemon) == [(0, "running"), *[(0, "waiting")] * 3,
+                                                (NOBODY, "waiting")], 30,
+                     "uid 65534's generation to wait for a place", detail=daemon.log)
             client.send({"id": 9, "op": "cancel", "params": {"target": 1}})
             replies: dict[int, dict[str, Any]] = {}
             while len(replies) < 5:

@@ -68,8 +68,12 @@ class Generation:
 
     @property
     def stage(self) -> str:
+        """queued (for a slot worker), encoding (on one: its turn, images and prompt),
+        waiting (encoded, for a place in the step loop) or running."""
         if self.started is not None or (self.seq is not None and self.seq.admitted):
             return "running"
+        if self.seq is not None:
+            return "waiting"
         return "queued" if not self.t_start else "encoding"
 
 

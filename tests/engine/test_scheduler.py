@@ -96,6 +96,7 @@ def test_a_waiting_generation_leaves_at_once_when_cancelled() -> None:
         gate.hold_when(lambda: scheduler.counts() == (1, 1) and running.seq is not None
                        and running.seq.admitted is not None, what="bob's to wait for a place")
         assert engine.counts() == (1, 1)
+        assert [running.stage, waiting.stage] == ["running", "waiting"]  # status shows
         t0 = time.monotonic()
         engine.cancel(waiting)
         result = waiting.future.result(5)
