@@ -16,6 +16,7 @@ import pytest
 
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine
+from qvld.engine.runners import Generation
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "models" / "tiny"
@@ -119,14 +120,45 @@ class StepGate:
 
     def hold_when(self, predicate: Callable[[], bool], timeout: float = 30,
                   what: str = "") -> None:
+        """Until the step thread waits at the gate after a step at whose end
+        ``predicate()`` held; a thread held now goes on to its next step first."""
         self.held.clear()
         self.until = predicate
+        self.open.set()
         if not self.held.wait(timeout):
             pytest.fail(f"not within {timeout} s: {what or predicate}")
 
     def release(self) -> None:
         self.until = None
         self.open.set()
+
+    def start_together(self, starts: list[Callable[[], Generation]],
+                       tokens: int = 5) -> list[Generation]:
+        """Start generations that must decode side by side, and hold the step thread
+        once each has decoded more than ``tokens`` tokens and all still run. The first
+        is held after its first token; the others, started then, are let in once they
+        wait in the scheduler's queue and held again once admitted until their prompts
+        (prefilled on another runtime, maybe) are in: on a loaded machine a short one
+        would otherwise finish while a later one still encodes or prefills."""
+        scheduler = self.batch.scheduler
+
+        def holds(gens: list[Generation], place: int) -> bool:
+            seqs = scheduler.snapshot()[place]
+            return all(g.seq is not None and any(s is g.seq for s in seqs) for g in gens)
+
+        first = starts[0]()
+        self.hold_when(lambda: first.seq is not None and first.seq.generated >= 1,
+                       what="the first generation to decode")
+        others = [start() for start in starts[1:]]
+        wait_for(lambda: holds(others, 1), 60, "the others to wait for a place")
+        self.hold_when(lambda: holds(others, 0), what="the others to be admitted")
+        wait_for(lambda: all(g.seq is not None and not g.seq.outside for g in others), 60,
+                 "the others' prompts prefilled on the other runtime")
+        gens = [first, *others]
+        self.hold_when(lambda: holds(gens, 0) and all(
+            g.seq is not None and g.seq.generated > tokens for g in gens),
+            what=f"every generation to decode {tokens} tokens side by side")
+        return gens
 
     def __enter__(self) -> StepGate:
         self.batch.on_step = self._on_step

@@ -41,10 +41,9 @@ def test_a_waiting_user_preempts_the_one_holding_every_place_and_no_token_change
     long_greedy = ask(400, "image_photo")
     long_sampled = ask(400, temperature=1.0, seed=7)
     with StepGate(engine) as gate:
-        alices = [submit(engine, long_greedy, ALICE), submit(engine, long_sampled, ALICE)]
+        alices = gate.start_together([lambda: submit(engine, long_greedy, ALICE),
+                                      lambda: submit(engine, long_sampled, ALICE)])
         # Bob arrives between two steps, however slow his prepare.
-        gate.hold_when(lambda: all(g.seq is not None and g.seq.generated > 5 for g in alices),
-                       what="alice's two generations to decode")
         assert scheduler.counts() == (2, 0)
         bob = submit(engine, ask(8, "image_gray"), BOB)
         # In the scheduler's queue, his image encoded: the place must come from alice.
@@ -89,12 +88,13 @@ def test_equal_users_take_turns_whoever_came_first(alone: Engine) -> None:
 def test_a_waiting_generation_leaves_at_once_when_cancelled() -> None:
     engine = Engine(parity_config(TINY, infer_requests=1, max_sequences=1))
     with StepGate(engine) as gate:  # no step runs while bob's is cancelled
-        running = submit(engine, ask(400), ALICE)
-        waiting = submit(engine, ask(400), BOB)
         assert engine.batch is not None
         scheduler = engine.batch.scheduler
-        gate.hold_when(lambda: scheduler.counts() == (1, 1) and running.seq is not None
-                       and running.seq.admitted is not None, what="bob's to wait for a place")
+        running = submit(engine, ask(400), ALICE)
+        gate.hold_when(lambda: running.seq is not None and running.seq.admitted is not None,
+                       what="alice's to run")
+        waiting = submit(engine, ask(400), BOB)
+        wait_for(lambda: scheduler.counts() == (1, 1), 30, "bob's to wait for a place")
         assert engine.counts() == (1, 1)
         assert [running.stage, waiting.stage] == ["running", "waiting"]  # status shows
         t0 = time.monotonic()
