@@ -554,13 +554,17 @@ class Constraint:
             compiled = self.future.result(timeout_s)
         except FutureTimeout:
             self.abandon()
-            raise BadRequest(f"response_format: compiling the {self.format.type} took longer "
-                             f"than engine.grammar_compile_timeout_s "
-                             f"({self._timeout_s:g} s)") from None
+            raise self._timed_out() from None
+        if compiled.error == _ABANDONED and not self._abandoned:
+            raise self._timed_out()  # its time was up before a thread took it
         if compiled.error is not None or compiled.matcher is None:
             raise BadRequest(f"response_format: the {self.format.type} cannot be used: "
                              f"{_first_lines(compiled.error or 'no matcher')}")
         return compiled
+
+    def _timed_out(self) -> BadRequest:
+        return BadRequest(f"response_format: compiling the {self.format.type} took longer "
+                          f"than engine.grammar_compile_timeout_s ({self._timeout_s:g} s)")
 
     def check(self) -> None:
         """Without waiting: the typed error if the compile failed or its time is up."""
