@@ -245,7 +245,7 @@ class App:
                 for gen in self._generations() if viewer in (None, gen.uid)]
         running, waiting = self._counts()
         engine = self.state.engine
-        preempted = (engine.batch.scheduler.preemptions
+        preempted = (engine.batch.preemptions
                      if engine is not None and engine.batch is not None else 0)
         errors = [{**e, "user": self.user_label(e["uid"])} if e.get("uid") is not None else e
                   for e in self.last_errors if viewer is None or e.get("uid") == viewer]

@@ -93,57 +93,55 @@ def parity_config(path: Path, backend: str = "openvino", **engine: Any) -> Confi
 
 
 class StepGate:
-    """Stops an engine's step thread between two steps, so a test can set up what must
+    """Holds an engine's step loop between two steps, so a test can set up what must
     happen there (another user's request waiting, say) however slow the machine:
-    ``gate.hold_when(predicate)`` returns once the step thread, after the first step at
-    whose end ``predicate()`` is true, waits at the gate (the predicate is checked on
-    the step thread, so nothing runs on between); ``gate.release()`` (or leaving the
-    ``with``) lets it go on."""
+    ``gate.hold_when(predicate)`` returns once the loop, after the first step at whose
+    end ``predicate()`` is true, holds its steps (the predicate is checked on the step
+    thread, so nothing runs on between); ``gate.release()`` (or leaving the ``with``)
+    lets it go on. A held loop still takes requests and cancels in (``BatchRunner.hold``),
+    so what waits shows in ``batch.view``."""
 
     def __init__(self, engine: Engine) -> None:
         assert engine.batch is not None, "a step gate needs continuous batching"
         self.batch = engine.batch
         self.previous = self.batch.on_step
         self.until: Callable[[], bool] | None = None
-        self.open = threading.Event()
-        self.open.set()
-        self.held = threading.Event()  # the step thread waits at the gate
+        self.held = threading.Event()  # the loop holds its steps
 
     def _on_step(self, sequences: int, prefill_rows: int) -> None:
         if self.previous is not None:
             self.previous(sequences, prefill_rows)
         if self.until is not None and self.until():
             self.until = None
-            self.open.clear()
+            self.batch.hold()
             self.held.set()
-            self.open.wait()
 
     def hold_when(self, predicate: Callable[[], bool], timeout: float = 30,
                   what: str = "") -> None:
-        """Until the step thread waits at the gate after a step at whose end
-        ``predicate()`` held; a thread held now goes on to its next step first."""
+        """Until the loop holds its steps after a step at whose end ``predicate()``
+        held; a loop held now goes on to its next step first."""
         self.held.clear()
         self.until = predicate
-        self.open.set()
+        self.batch.release()
         if not self.held.wait(timeout):
             pytest.fail(f"not within {timeout} s: {what or predicate}")
 
     def release(self) -> None:
         self.until = None
-        self.open.set()
+        self.batch.release()
 
     def start_together(self, starts: list[Callable[[], Generation]],
                        tokens: int = 5) -> list[Generation]:
-        """Start generations that must decode side by side, and hold the step thread
-        once each has decoded more than ``tokens`` tokens and all still run. The first
-        is held after its first token; the others, started then, are let in once they
-        wait in the scheduler's queue and held again once admitted until their prompts
+        """Start generations that must decode side by side, and hold the step loop once
+        each has decoded more than ``tokens`` tokens and all still run. The first is
+        held after its first token; the others, started then, are let in once they wait
+        in the scheduler's queue and held again once admitted until their prompts
         (prefilled on another runtime, maybe) are in: on a loaded machine a short one
         would otherwise finish while a later one still encodes or prefills."""
-        scheduler = self.batch.scheduler
+        batch = self.batch
 
         def holds(gens: list[Generation], place: int) -> bool:
-            seqs = scheduler.snapshot()[place]
+            seqs = batch.view[place]
             return all(g.seq is not None and any(s is g.seq for s in seqs) for g in gens)
 
         first = starts[0]()

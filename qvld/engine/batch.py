@@ -1,23 +1,28 @@
-"""Continuous batching: one step thread advances every running generation together.
+"""Continuous batching: the step loop, one thread that owns every admitted or waiting
+generation and advances the running ones together.
 
-Each step asks the scheduler (``scheduler.StepScheduler``) who runs and with how many
-rows: the next token of every decoding sequence, then prompt chunks of those still
-prefilling. One inference over the packed rows (paged attention: each sequence reads
-its own blocks) returns the last row's logits per sequence; each is sampled with its own
+Other threads talk to it only through its inbox (``submit``, ``cancel``, ``joined``),
+which it drains at the top of each iteration; then it asks the scheduler
+(``scheduler.StepScheduler``, a policy it owns) who runs and with how many rows: the
+next token of every decoding sequence, then prompt chunks of those still prefilling.
+One inference over the packed rows (paged attention: each sequence reads its own
+blocks) returns the last row's logits per sequence; each is sampled with its own
 parameters, stop rules and stream (``generate.Decoding``). Cancel, deadlines and client
 disconnects end a sequence at the next step and give its blocks back; an error in one
 sequence's sampling ends that one only. Imports no runtime: the model is a
 ``slots.PagedModel``.
 
 Sequences are data (``sequence.Sequence``): a caller hands one over with ``submit`` and
-is told the end through its ``on_done``, called on the step thread; no thread waits per
-sequence. Images are encoded and prompt rows embedded before (``Engine``, on a slot
-worker); a prompt prefilled by another runtime (``model.prompt_backend``) is handed to
-``prefill_outside`` once admitted and joins the steps when it is done.
+is told the end through its ``on_done``, always called on the step thread; no thread
+waits per sequence. Images are encoded and prompt rows embedded before (``Engine``, on a
+slot worker); a prompt prefilled by another runtime (``model.prompt_backend``) is handed
+to ``prefill_outside`` once admitted (the sequence is then ``outside``: the loop does
+not touch it) and comes back through ``joined``.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -30,6 +35,7 @@ from qvld.engine.blocks import BlockPool
 from qvld.engine.scheduler import StepScheduler
 from qvld.engine.sequence import Sequence
 from qvld.engine.slots import PagedModel, RowsSlot
+from qvld.errors import BadRequest
 
 log = logging.getLogger("qvld.engine")
 
@@ -61,7 +67,16 @@ def prefill_elsewhere(slot: RowsSlot, model: PagedModel, seq: Sequence, chunk: i
 
 
 class BatchRunner:
-    """The step loop over one paged model and its block pool."""
+    """The step loop over one paged model and its block pool.
+
+    One thread (``qvld-step``) owns the scheduler, the block pool's leases and every
+    admitted or waiting sequence. Other threads only post to its inbox (``submit``,
+    ``cancel``, ``joined``), drained at the top of each iteration; ``on_done`` is always
+    called on that thread. It sleeps on its inbox when nothing can step, never polls;
+    a deadline reaches it as a ``cancel`` (the handlers' timer), a client that left
+    likewise. Status reads ``view``: the running and waiting sequences as the loop
+    last published them.
+    """
 
     def __init__(self, model: PagedModel, pool: BlockPool, *, max_sequences: int,
                  max_batch_tokens: int, chunk: int,
@@ -82,7 +97,11 @@ class BatchRunner:
         self.prefill_outside: Callable[[Sequence], None] | None = None
         self.outside_runtime = runtime
         self._cond = threading.Condition()
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._held = False  # steps held (``hold``): the inbox is still drained
         self.steps = 0
+        # (running, waiting) as the loop last published them: read by other threads.
+        self.view: tuple[tuple[Sequence, ...], tuple[Sequence, ...]] = ((), ())
         # Started by the first sequence, gone when none is left: an engine replaced by a
         # reload leaves no thread (and no model) behind.
         self._thread: threading.Thread | None = None
@@ -92,48 +111,55 @@ class BatchRunner:
         return self.scheduler.max_batch_tokens
 
     @property
+    def max_sequences(self) -> int:
+        return self.scheduler.max_sequences
+
+    @property
     def peak_sequences(self) -> int:
         return self.scheduler.peak_sequences
 
-    # -- from any thread ----------------------------------------------------------------
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
+
+    # -- from any thread: the inbox -----------------------------------------------------
 
     def submit(self, seq: Sequence) -> None:
-        """Hand ``seq`` over; its ``on_done`` tells the end. Raises the scheduler's
-        BadRequest when it could never fit."""
-        if seq.decoding.finish is not None:  # done at its first token already
-            self._end(seq)
-            return
-        self.scheduler.add(seq)
-        self._wake()
+        """Hand ``seq`` over; its ``on_done`` tells the end. BadRequest when it could
+        never fit the KV cache (checked here, before it is queued)."""
+        if not self.scheduler.fits(seq):
+            raise BadRequest(
+                f"this request needs {seq.max_rows} rows of KV cache (its prompt, session "
+                f"history and max_tokens), more than engine.kv_cache_mb holds "
+                f"({self.pool.num_blocks * self.pool.block_size}); ask for fewer tokens or "
+                "start a new session")
+        self._post(lambda: self._add(seq))
 
     def cancel(self, seq: Sequence) -> None:
-        """End a waiting ``seq`` now; a running one ends at the next step (its
-        ``should_stop`` is what tells it)."""
-        if self.scheduler.remove_waiting(seq):
-            self.pool.release(seq.lease)
-            seq.decoding.cancel()
-            self._end(seq)
-        else:
-            self._wake()
+        """End ``seq``: a waiting one at once (the loop's next turn, even while steps are
+        held), a running one at the next step (its ``should_stop`` tells it)."""
+        self._post(lambda: self._cancel(seq))
 
     def joined(self, seq: Sequence, fed: bool, runtime: str,
                error: BaseException | None = None) -> None:
         """A prefill on another runtime is over (``fed``: it went to the end)."""
-        if self.on_prefill is not None and seq.fed > seq.cached:
-            self.on_prefill(runtime, seq.fed - seq.cached)
-        if fed and error is None:
-            self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
-            seq.prefilled()
-        seq.outside = False
-        if error is not None or not fed or seq.decoding.finish is not None:
-            self.scheduler.finish(seq)
-            if not fed and error is None:
-                seq.decoding.cancel()
-            self._end(seq, error)
-        self._wake()
+        self._post(lambda: self._joined(seq, fed, runtime, error))
 
-    def _wake(self) -> None:
+    def hold(self) -> None:
+        """Run no step until ``release``: requests are still taken in, cancels and
+        prefills done elsewhere handled, and ``view`` kept current (tests set up who
+        waits behind whom this way, however loaded the machine)."""
         with self._cond:
+            self._held = True
+
+    def release(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify()
+
+    def _post(self, message: Callable[[], None]) -> None:
+        with self._cond:
+            self._inbox.append(message)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="qvld-step",
                                                 daemon=True)
@@ -147,7 +173,7 @@ class BatchRunner:
     def sequences(self) -> list[dict[str, Any]]:
         """Each generation admitted or waiting for a place: rows fed, tokens so far,
         state and the runtime computing it, for status."""
-        running, waiting = self.scheduler.snapshot()
+        running, waiting = self.view
         states = ["prefill" if s.in_prompt or s.outside else "decode" for s in running]
         states += ["waiting"] * len(waiting)
         return [{"uid": s.uid, "prompt_tokens": len(s.prompt.ids), "cached_tokens": s.cached,
@@ -159,29 +185,82 @@ class BatchRunner:
     def counts(self) -> tuple[int, int]:
         """(decoding, prefilling) sequences admitted, those prefilled by another runtime
         included."""
-        running, _ = self.scheduler.snapshot()
+        running, _ = self.view
         prefilling = sum(1 for s in running if s.in_prompt or s.outside)
         return len(running) - prefilling, prefilling
+
+    def queued(self) -> tuple[int, int]:
+        """(running, waiting) sequences, as last published."""
+        running, waiting = self.view
+        return len(running), len(waiting)
+
+    # -- the step thread: the inbox's messages --------------------------------------------
+
+    def _add(self, seq: Sequence) -> None:
+        if seq.decoding.finish is not None:  # done at its first token already
+            self.pool.release(seq.lease)
+            self._end(seq)
+        elif seq.decoding.should_stop():  # cancelled before it reached the loop
+            self.pool.release(seq.lease)
+            seq.decoding.cancel()
+            self._end(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def _cancel(self, seq: Sequence) -> None:
+        if self.scheduler.remove_waiting(seq):
+            seq.decoding.cancel()
+            self._end(seq)
+
+    def _joined(self, seq: Sequence, fed: bool, runtime: str,
+                error: BaseException | None) -> None:
+        if self.on_prefill is not None and seq.fed > seq.cached:
+            self.on_prefill(runtime, seq.fed - seq.cached)
+        if fed and error is None:
+            self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
+            seq.prefilled()
+        seq.outside = False
+        if error is not None or not fed or seq.decoding.finish is not None:
+            self.scheduler.finish(seq)
+            if not fed and error is None:
+                seq.decoding.cancel()
+            self._end(seq, error)
 
     # -- the step thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
+        stalled = False  # the last step fed nothing: only a message can change that
         while True:
             with self._cond:
-                if self.scheduler.idle:
+                while not self._inbox and (self._held or stalled):
+                    if self.scheduler.idle and not self._held:
+                        break
+                    self._cond.wait()
+                messages = list(self._inbox)
+                self._inbox.clear()
+                if not messages and self.scheduler.idle:
+                    self.view = ((), ())
                     self._thread = None
                     return
-            try:
-                stepped = self._step()
-            except Exception as exc:  # a runtime failure: every sequence in it fails
-                log.exception("batched step failed")
-                for seq in self.scheduler.take_all():
-                    self.pool.release(seq.lease)
-                    self._end(seq, exc)
-                continue
-            if not stepped:  # nothing to feed: all waiting for blocks or prefilled
-                with self._cond:  # elsewhere; a submit, cancel or join wakes it
-                    self._cond.wait(0.05)
+                held = self._held
+            for message in messages:
+                try:
+                    message()
+                except Exception:  # a message reports its own errors; a bug's last stop
+                    log.exception("step loop message failed")
+            stalled = stalled and not messages
+            if not held:
+                try:
+                    stalled = not self._step()
+                except Exception as exc:  # a runtime failure: every sequence in it fails
+                    log.exception("batched step failed")
+                    for seq in self.scheduler.take_all():
+                        self._end(seq, exc)
+            self._publish()
+
+    def _publish(self) -> None:
+        running, waiting = self.scheduler.snapshot()
+        self.view = (tuple(running), tuple(waiting))
 
     def _step(self) -> bool:
         plan = self.scheduler.schedule()
@@ -189,13 +268,13 @@ class BatchRunner:
             seq.decoding.cancel()
             self._end(seq)
         for seq in plan.admitted:
-            if (seq.prefill_outside and not seq.preemptions
+            if (seq.prefill_outside and not seq.preemptions and seq not in plan.preempted
                     and self.prefill_outside is not None):
                 seq.outside = True
                 self.prefill_outside(seq)
         rows = [(seq, n) for seq, n in plan.rows if not seq.outside]
-        if not rows:
-            return bool(plan.stopped)
+        if not rows:  # a change may let the next step feed; else wait for a message
+            return bool(plan.stopped or plan.admitted or plan.preempted)
         # Decoding sequences' single next tokens are embedded together; every other
         # sequence's rows (a prompt chunk, forced tokens, rows to compute again) its own.
         decoders = [seq for seq, n in rows if seq.token is not None]
@@ -228,11 +307,7 @@ class BatchRunner:
         self.steps += 1
         now = time.perf_counter()
         for i, (seq, n) in enumerate(rows):
-            if seq.token is not None:
-                seq.keys.append((seq.token, None))
-                seq.token = None
-            seq.fed += n
-            self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
+            self.scheduler.advance(seq, n)
             if seq.prefilling:
                 continue
             if not seq.t_prefill:
@@ -248,6 +323,7 @@ class BatchRunner:
                 self.scheduler.finish(seq)
                 self._end(seq)
         if self.on_step is not None:
+            self._publish()  # what the hook reads (a test's step gate) is this step's
             self.on_step(len(rows), prefill_rows)
         if self.on_prefill is not None and prefill_rows:
             self.on_prefill(self.runtime, prefill_rows)

@@ -120,24 +120,26 @@ class BlockPool:
                          hashes=hashes[:len(matched)])
 
     def grow(self, lease: Lease, keys: Sequence[RowKey], owner: int | None,
-             rows: int) -> bool:
-        """Give ``lease`` blocks for ``rows`` rows: first the published blocks that
-        continue its prefix along ``keys`` (a preempted sequence finds the rows it had
-        computed, unless they were evicted meanwhile; never the last row of ``keys``),
-        then fresh ones. False, and the lease unchanged, when they do not fit now; the
-        scheduler, the only caller while the daemon runs, retries at a later step."""
+             rows: int, *, spare: int = 0, reuse: bool = True) -> bool:
+        """Give ``lease`` blocks for ``rows`` rows: with ``reuse``, first the published
+        blocks that continue its prefix along ``keys`` (a preempted sequence finds the
+        rows it had computed, unless they were evicted meanwhile; never the last row of
+        ``keys``), then fresh ones, leaving ``spare`` blocks for others. False, and the
+        lease unchanged, when they do not fit now; the scheduler, the only caller while
+        the daemon runs, retries at a later step or preempts."""
         with self._lock:
-            if len(lease.hashes) == len(lease.blocks):  # a prefix only: it may extend
+            more: list[int] = []
+            if reuse and len(lease.hashes) == len(lease.blocks):  # a prefix: it may extend
                 hashes = chain_hashes(keys, self.block_size, owner, after=lease.hashes)
                 more = self._matched(hashes[len(lease.blocks):])
                 while more and (len(lease.blocks) + len(more)) * self.block_size >= len(keys):
                     more.pop()
-            else:
-                more = []
             need = self.blocks_for(rows) - len(lease.blocks) - len(more)
-            while need > self._available(more) and self._pins:
+            if need <= 0 and not more:
+                return True
+            while need + spare > self._available(more) and self._pins:
                 self._unpin(next(iter(self._pins)))  # running work before kept histories
-            if need > self._available(more):
+            if need + spare > self._available(more):
                 return False
             for block in more:
                 self._hold(block)

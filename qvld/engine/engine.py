@@ -373,7 +373,7 @@ class Engine:
         Otherwise all start at once. Busy when the queue cannot take them all."""
         gens = [Generation(uid=prepared.uid, stop_when=should_stop) for _ in on_tokens]
         running, waiting = self.counts()
-        places = (self.batch.scheduler.max_sequences if self.batch is not None
+        places = (self.batch.max_sequences if self.batch is not None
                   else self.workers.workers)
         if waiting + len(gens) - 1 - (places - running) >= self.queue_max:
             raise Busy(f"the queue is full ({self.queue_max} waiting); retry shortly")
@@ -440,7 +440,7 @@ class Engine:
         """(running, waiting) generations: running ones have a place in the step loop
         (continuous batching) or a slot; the others wait (for a slot worker to encode
         their images, or for a place)."""
-        running = (self.batch.scheduler.counts()[0] if self.batch is not None
+        running = (self.batch.queued()[0] if self.batch is not None
                    else self.workers.running)
         with self._lock:
             total = len(self._generations)

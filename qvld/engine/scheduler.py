@@ -1,28 +1,44 @@
 """The step scheduler: who runs in the next step, with how many rows, and on which blocks.
 
-Owns, under one lock, everything admission decides: the waiting sequences (per user),
-the running set (at most ``engine.max_sequences``), the KV blocks they get (the block
-pool's only reader while the daemon runs) and the rows each step feeds (at most
-``engine.max_batch_tokens``). The step loop (``batch.BatchRunner``) calls ``schedule``
-once per step; nothing waits on a thread for a slot or a block: a sequence that does
-not fit stays waiting and is tried again at the next step.
+A policy over data, owned by the step loop (``batch.BatchRunner``): every method runs on
+the step thread (other threads reach it through the loop's inbox), so it has no lock,
+starts no thread, reads no model and takes its clock as an argument; its unit tests
+(``tests/engine/test_scheduler_policy.py``) drive it with fake sequences, fake step
+outputs and a fake clock.
 
-Policy between users (uids; with API keys, one per key):
+It owns the waiting sequences (per user), the running set (at most
+``engine.max_sequences``), the KV blocks they get (the block pool's only writer while
+the daemon runs) and the rows each step feeds (at most ``engine.max_batch_tokens``).
+Nothing waits on a thread for a place or a block: a sequence that does not fit stays
+waiting and is tried again at the next step.
+
+**KV blocks are taken as sequences grow**, not reserved for the worst case: admission
+takes the blocks of the rows to feed (the prompt, or after a preemption the rows to
+compute again) plus the next token's, leaving one spare block per running sequence;
+each step then gives every sequence the blocks of the rows it feeds. A request whose
+prompt and ``max_tokens`` could never fit the whole cache is refused up front (the
+loop's ``submit``, naming ``engine.kv_cache_mb``).
+
+Policy between users (uids; with API keys, one per key), one rule everywhere: **the
+user holding the most running sequences gives way first.**
 
 - **Admission** takes the waiting user holding the fewest running sequences first
   (ties: the one that got a place longest ago, so equals take turns), and each user's
   sequences in arrival order (a preempted one first again). Admission stops at the
   first sequence that does not fit: nothing overtakes it, so a large request is not
   starved by a stream of small ones.
-- **Preemption** keeps it fair at every step, not only at admission: when a waiting
-  user cannot be admitted (the running set is full or its blocks do not fit), the
-  user holding the most running sequences gives one up (its latest admitted) if it
-  then still holds at least as many as the waiting user: shares level out, a lone
-  user keeps everything, and two users never trade one slot back and forth.
-  The preempted sequence keeps its shared prefix blocks, gives the rest back (full
-  ones stay cached) and waits at the front of its user's queue; readmitted, it finds
-  the blocks still cached and computes the rest again (its sampled token included),
-  so its token ids are those it would have produced uninterrupted (vLLM's recompute).
+- **Preemption for a place**: when a waiting user cannot be admitted (the running set
+  is full or its blocks do not fit), the user holding the most running sequences gives
+  one up (its latest admitted) if it then still holds at least as many as the waiting
+  user: shares level out, a lone user keeps everything, and two users never trade one
+  place back and forth.
+- **Preemption for a block**: when a running sequence needs a block and the pool has
+  none free, the latest admitted sequence of the user holding the most (ties: the user
+  admitted last) gives its blocks up, which may be the sequence itself.
+- A preempted sequence keeps its shared prefix blocks, gives the rest back (full ones
+  stay cached) and waits at the front of its user's queue; readmitted, it finds the
+  blocks still cached and computes the rest again (its sampled token included), so its
+  token ids are those it would have produced uninterrupted (vLLM's recompute).
 - **Rows of a step**: every decoding sequence's next token, and the runs of tokens a
   response format forced (each whole, up to ``engine.prefill_chunk``), then prompt
   chunks of prefilling ones in admission order (at most ``engine.prefill_chunk``
@@ -35,14 +51,12 @@ or waiting.
 from __future__ import annotations
 
 import collections
-import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from qvld.engine.blocks import BlockPool
 from qvld.engine.sequence import Sequence
-from qvld.errors import BadRequest
 
 
 @dataclass
@@ -52,16 +66,17 @@ class Plan:
     rows: list[tuple[Sequence, int]] = field(default_factory=list)
     stopped: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # newly, this step
+    preempted: list[Sequence] = field(default_factory=list)  # this step
 
 
 class StepScheduler:
     def __init__(self, pool: BlockPool, *, max_sequences: int, max_batch_tokens: int,
-                 chunk: int) -> None:
+                 chunk: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.max_sequences = max_sequences
         self.max_batch_tokens = max_batch_tokens
         self.chunk = chunk
-        self._lock = threading.Lock()
+        self.clock = clock
         self._waiting: dict[int, collections.deque[Sequence]] = {}  # per uid, in order
         self._running: list[Sequence] = []  # in admission order
         self.preemptions = 0
@@ -69,102 +84,125 @@ class StepScheduler:
         self._admissions = 0
         self._last_admitted: dict[int, int] = {}  # uid -> when it last got a place
 
-    # -- from any thread ----------------------------------------------------------------
+    def fits(self, seq: Sequence) -> bool:
+        """Whether ``seq`` could ever run: its prompt and max_tokens within the whole
+        cache (nothing else holding a block)."""
+        return self.pool.fits(seq.max_rows)
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq``; BadRequest when it could never fit the KV cache. (How many may
-        wait is the engine's to bound, before their images are encoded.)"""
-        if not self.pool.fits(seq.max_rows):
-            raise BadRequest(
-                f"this request needs {seq.max_rows} rows of KV cache (its prompt, session "
-                f"history and max_tokens), more than engine.kv_cache_mb holds "
-                f"({self.pool.num_blocks * self.pool.block_size}); ask for fewer tokens or "
-                "start a new session")
-        with self._lock:
-            self._waiting.setdefault(seq.uid, collections.deque()).append(seq)
+        """Queue ``seq`` (its ``fits`` checked by the caller)."""
+        self._waiting.setdefault(seq.uid, collections.deque()).append(seq)
 
     def remove_waiting(self, seq: Sequence) -> bool:
-        """Take a waiting ``seq`` out (its client left); False if it is not waiting."""
-        with self._lock:
-            queue = self._waiting.get(seq.uid)
-            if queue is None or seq not in queue:
-                return False
-            queue.remove(seq)
-            if not queue:
-                del self._waiting[seq.uid]
-            return True
+        """Take a waiting ``seq`` out, its blocks back; False if it is not waiting."""
+        if not self._unqueue(seq):
+            return False
+        self.pool.release(seq.lease)
+        return True
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` ended: out of the running set, its blocks back to the pool."""
-        with self._lock:
-            if seq in self._running:
-                self._running.remove(seq)
+        if seq in self._running:
+            self._running.remove(seq)
         self.pool.release(seq.lease)
 
+    def advance(self, seq: Sequence, rows: int) -> None:
+        """A step fed ``rows`` rows of ``seq``: its fed token (if any) becomes a row of
+        its cache, and the blocks those rows filled are published for reuse."""
+        if seq.token is not None:
+            seq.keys.append((seq.token, None))
+            seq.token = None
+        seq.fed += rows
+        self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
+
     def snapshot(self) -> tuple[list[Sequence], list[Sequence]]:
-        """(running, waiting), as one moment saw them."""
-        with self._lock:
-            return list(self._running), list(self._iter_waiting())
+        """(running, waiting)."""
+        return list(self._running), list(self._iter_waiting())
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting)."""
-        with self._lock:
-            return len(self._running), self._waiting_count()
+        return len(self._running), sum(len(queue) for queue in self._waiting.values())
 
     @property
     def idle(self) -> bool:
-        with self._lock:
-            return not self._running and not self._waiting
+        return not self._running and not self._waiting
 
     def take_all(self) -> list[Sequence]:
-        """Every sequence, out of the scheduler (a runtime failure ends them all)."""
-        with self._lock:
-            seqs = [*self._running, *self._iter_waiting()]
-            self._running.clear()
-            self._waiting.clear()
+        """Every sequence out of the scheduler, its blocks back (a runtime failure ends
+        them all)."""
+        seqs = [*self._running, *self._iter_waiting()]
+        self._running.clear()
+        self._waiting.clear()
+        for seq in seqs:
+            self.pool.release(seq.lease)
         return seqs
 
-    # -- the step thread ----------------------------------------------------------------
+    # -- one step -------------------------------------------------------------------
 
     def schedule(self) -> Plan:
         """The next step: who left, who is admitted (or preempted), and the rows."""
         plan = Plan()
-        with self._lock:
-            for seq in [s for s in self._running if s.decoding.should_stop()]:
-                self._running.remove(seq)
-                plan.stopped.append(seq)
-            for seq in [s for s in self._iter_waiting() if s.decoding.should_stop()]:
-                self._unqueue(seq)
-                plan.stopped.append(seq)
-            self._admit(plan)
-            self.peak_sequences = max(self.peak_sequences, len(self._running))
-            runnable = [s for s in self._running if not s.outside]
-            plan.rows = [(s, 1) for s in runnable if s.token is not None]
-            budget = self.max_batch_tokens - len(plan.rows)
-            # Generated rows (a forced run; rows computed again after the prompt) before
-            # prompt rows: a decoding sequence is not held back by others' prompts.
-            for seq in sorted((s for s in runnable if s.token is None),
-                              key=lambda s: s.in_prompt):
-                if budget <= 0:
-                    break
-                n = min(budget, self.chunk, len(seq.keys) - seq.fed)
-                if n > 0:
-                    plan.rows.append((seq, n))
-                    budget -= n
-        for seq in plan.stopped:
-            self.pool.release(seq.lease)
+        for seq in [s for s in self._running if s.decoding.should_stop()]:
+            self.finish(seq)
+            plan.stopped.append(seq)
+        for seq in [s for s in self._iter_waiting() if s.decoding.should_stop()]:
+            self.remove_waiting(seq)
+            plan.stopped.append(seq)
+        self._admit(plan)
+        self.peak_sequences = max(self.peak_sequences, len(self._running))
+        budget = self.max_batch_tokens
+        # Decoding sequences' next tokens first, in admission order; then generated rows
+        # (a forced run; rows computed again after the prompt) before prompt rows: a
+        # decoding sequence is not held back by others' prompts.
+        runnable = [s for s in self._running if not s.outside]
+        order = ([s for s in runnable if s.token is not None]
+                 + sorted((s for s in runnable if s.token is None), key=lambda s: s.in_prompt))
+        for seq in order:
+            if budget <= 0 or seq not in self._running:  # preempted for a block meanwhile
+                continue
+            n = 1 if seq.token is not None else min(budget, self.chunk,
+                                                    len(seq.keys) - seq.fed)
+            if n > 0 and self._room(seq, seq.fed + n, plan):
+                plan.rows.append((seq, n))
+                budget -= n
         return plan
 
+    def _room(self, seq: Sequence, rows: int, plan: Plan) -> bool:
+        """Blocks for ``seq``'s first ``rows`` rows, preempting the latest admitted
+        sequence of the user holding the most while the pool has none; False when
+        ``seq`` itself gave way."""
+        while not self.pool.grow(seq.lease, seq.keys, seq.owner, rows, reuse=False):
+            victim = self._victim()
+            if victim is None:  # only prefills running elsewhere hold the rest
+                victim = seq
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _victim(self) -> Sequence | None:
+        """The latest admitted sequence of the user holding the most running ones (ties:
+        the user admitted last), among those not prefilled elsewhere."""
+        held = collections.Counter(s.uid for s in self._running if not s.outside)
+        if not held:
+            return None
+        most = max(held, key=lambda u: (held[u], self._last_admitted.get(u, -1)))
+        return [s for s in self._running if s.uid == most and not s.outside][-1]
+
     def _admit(self, plan: Plan) -> None:
-        """Admit waiting sequences while they fit, preempting for fairness (lock held)."""
+        """Admit waiting sequences while they fit, preempting for fairness."""
         while self._waiting:
             held = collections.Counter(s.uid for s in self._running)
             # The fewest held first; among equals, who got a place longest ago.
             uid = min(self._waiting, key=lambda u: (held[u], self._last_admitted.get(u, -1)))
             seq = self._waiting[uid][0]
             full = len(self._running) >= self.max_sequences
-            if full or not self.pool.grow(seq.lease, seq.keys, seq.owner, seq.max_rows):
-                if not self._preempt_for(uid, held):
+            # Its rows to feed and its next token's, with a block to spare for each
+            # running sequence's growth: admitting must not preempt at the next step.
+            rows = min(len(seq.keys) + 1, seq.max_rows)
+            if full or not self.pool.grow(seq.lease, seq.keys, seq.owner, rows,
+                                          spare=len(self._running)):
+                if not self._preempt_for(uid, held, plan):
                     return
                 continue
             self._unqueue(seq)
@@ -172,39 +210,43 @@ class StepScheduler:
             self._last_admitted[uid] = self._admissions
             seq.fed = max(seq.fed, seq.lease.shared)
             if seq.admitted is None:
-                seq.admitted = time.monotonic()
+                seq.admitted = self.clock()
                 seq.cached = seq.fed
             self._running.append(seq)
             plan.admitted.append(seq)
 
-    def _preempt_for(self, uid: int, held: collections.Counter[int]) -> bool:
+    def _preempt_for(self, uid: int, held: collections.Counter[int], plan: Plan) -> bool:
         """Preempt one sequence of the user holding the most, if it then still holds at
-        least as many as ``uid`` does with the freed place (lock held)."""
+        least as many as ``uid`` does with the freed place."""
         most = max(held, key=lambda u: held[u], default=None)
         if most is None or most == uid or held[most] <= held[uid] + 1:
             return False
         victims = [s for s in self._running if s.uid == most and not s.outside]
         if not victims:  # all of its sequences are being prefilled elsewhere
             return False
-        victim = victims[-1]
-        self._running.remove(victim)
-        self.pool.shrink(victim.lease, victim.cached)
-        victim.preempted()
-        self._waiting.setdefault(most, collections.deque()).appendleft(victim)
-        self.preemptions += 1
+        self._preempt(victims[-1], plan)
         return True
 
-    # -- the waiting queues (lock held) -----------------------------------------------
+    def _preempt(self, victim: Sequence, plan: Plan) -> None:
+        """``victim`` back to the front of its user's queue, keeping its shared prefix."""
+        self._running.remove(victim)
+        plan.rows = [(s, n) for s, n in plan.rows if s is not victim]
+        self.pool.shrink(victim.lease, victim.cached)
+        victim.preempted()
+        self._waiting.setdefault(victim.uid, collections.deque()).appendleft(victim)
+        self.preemptions += 1
+        plan.preempted.append(victim)
+
+    # -- the waiting queues -----------------------------------------------------------
 
     def _iter_waiting(self) -> Iterable[Sequence]:
         return (seq for queue in self._waiting.values() for seq in queue)
 
-    def _waiting_count(self) -> int:
-        return sum(len(queue) for queue in self._waiting.values())
-
-    def _unqueue(self, seq: Sequence) -> None:
+    def _unqueue(self, seq: Sequence) -> bool:
         queue = self._waiting.get(seq.uid)
-        if queue is not None and seq in queue:
-            queue.remove(seq)
-            if not queue:
-                del self._waiting[seq.uid]
+        if queue is None or seq not in queue:
+            return False
+        queue.remove(seq)
+        if not queue:
+            del self._waiting[seq.uid]
+        return True

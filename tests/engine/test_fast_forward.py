@@ -324,11 +324,11 @@ def test_a_preempted_generation_with_forced_rows_resumes_to_the_same_answer() ->
             lambda: engine.submit(engine.prepare(long(1), 1001))])
         # Bob arrives between two steps, however slow his prepare.
         bobs = engine.submit(engine.prepare(request("extract", 1), 1002))
-        wait_for(lambda: engine.batch is not None and engine.batch.scheduler.counts() == (2, 1),
+        wait_for(lambda: engine.batch is not None and engine.batch.queued() == (2, 1),
                  30, "bob's to wait for a place")
     bob = bobs.future.result(60)
     jsonschema.validate(json.loads(bob.text), EXTRACT)
-    assert engine.batch.scheduler.preemptions >= 1
+    assert engine.batch.preemptions >= 1
     assert any(g.seq is not None and g.seq.preemptions for g in alices)
     for n, gen in enumerate(alices):
         result = gen.future.result(120)

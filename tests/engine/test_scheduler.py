@@ -37,20 +37,19 @@ def test_a_waiting_user_preempts_the_one_holding_every_place_and_no_token_change
         alone: Engine) -> None:
     engine = Engine(parity_config(TINY, infer_requests=2, max_sequences=2, prefill_chunk=16))
     assert engine.batch is not None
-    scheduler = engine.batch.scheduler
     long_greedy = ask(400, "image_photo")
     long_sampled = ask(400, temperature=1.0, seed=7)
     with StepGate(engine) as gate:
         alices = gate.start_together([lambda: submit(engine, long_greedy, ALICE),
                                       lambda: submit(engine, long_sampled, ALICE)])
         # Bob arrives between two steps, however slow his prepare.
-        assert scheduler.counts() == (2, 0)
+        assert engine.batch.queued() == (2, 0)
         bob = submit(engine, ask(8, "image_gray"), BOB)
         # In the scheduler's queue, his image encoded: the place must come from alice.
-        wait_for(lambda: scheduler.counts() == (2, 1), 30, "bob's to wait for a place")
+        wait_for(lambda: engine.batch.queued() == (2, 1), 30, "bob's to wait for a place")
     answer = bob.future.result(60)
     # Bob got a place at once: one of alice's gave it up, then resumed.
-    assert scheduler.preemptions >= 1
+    assert engine.batch.preemptions >= 1
     assert any(g.seq is not None and g.seq.preemptions for g in alices)
     assert not all(g.future.done() for g in alices), "bob waited for alice to finish"
     results = [g.future.result(120) for g in alices]
@@ -66,15 +65,14 @@ def test_equal_users_take_turns_whoever_came_first(alone: Engine) -> None:
     """One place: alice's three requests queue first; bob's, sent after, runs second."""
     engine = Engine(parity_config(TINY, infer_requests=1, max_sequences=1))
     assert engine.batch is not None
-    scheduler = engine.batch.scheduler
     with StepGate(engine) as gate:  # the others arrive while alice's first runs
         first = submit(engine, ask(40), ALICE)
         gate.hold_when(lambda: first.seq is not None and first.seq.admitted is not None,
                        what="alice's first to run")
         later = [submit(engine, ask(20), ALICE) for _ in range(2)]
-        wait_for(lambda: scheduler.counts() == (1, 2), 30, "alice's others to wait")
+        wait_for(lambda: engine.batch.queued() == (1, 2), 30, "alice's others to wait")
         bob = submit(engine, ask(20), BOB)
-        wait_for(lambda: scheduler.counts() == (1, 3), 30, "bob's to wait")
+        wait_for(lambda: engine.batch.queued() == (1, 3), 30, "bob's to wait")
         assert not first.future.done()
     bob.future.result(60)
     for gen in later:
@@ -82,19 +80,18 @@ def test_equal_users_take_turns_whoever_came_first(alone: Engine) -> None:
     assert bob.seq is not None and bob.seq.admitted is not None
     assert all(g.seq is not None and g.seq.admitted is not None
                and g.seq.admitted > bob.seq.admitted for g in later)
-    assert engine.batch is not None and engine.batch.scheduler.preemptions == 0  # one place
+    assert engine.batch is not None and engine.batch.preemptions == 0  # one place
 
 
 def test_a_waiting_generation_leaves_at_once_when_cancelled() -> None:
     engine = Engine(parity_config(TINY, infer_requests=1, max_sequences=1))
     with StepGate(engine) as gate:  # no step runs while bob's is cancelled
         assert engine.batch is not None
-        scheduler = engine.batch.scheduler
         running = submit(engine, ask(400), ALICE)
         gate.hold_when(lambda: running.seq is not None and running.seq.admitted is not None,
                        what="alice's to run")
         waiting = submit(engine, ask(400), BOB)
-        wait_for(lambda: scheduler.counts() == (1, 1), 30, "bob's to wait for a place")
+        wait_for(lambda: engine.batch.queued() == (1, 1), 30, "bob's to wait for a place")
         assert engine.counts() == (1, 1)
         assert [running.stage, waiting.stage] == ["running", "waiting"]  # status shows
         t0 = time.monotonic()
@@ -128,3 +125,56 @@ def test_the_queue_bound_and_a_request_larger_than_the_kv_cache() -> None:
         engine.generate(GenerateRequest(messages=[{"role": "user", "content": "Hi"}],
                                         max_tokens=rows + 1))
     assert engine.generate(ask(4)).usage.completion_tokens == 4  # still serving
+
+
+def test_eight_long_budgets_run_at_once_in_a_cache_sized_for_two() -> None:
+    """KV blocks are taken as answers grow: eight requests of max_tokens 4000 whose
+    answers a response format keeps to a few tokens all run at once, in a cache that
+    holds two of them at full length (reserving the worst case admitted two at a time)."""
+    from qvld.engine.constraints import parse_response_format
+
+    probe = Engine(parity_config(TINY, max_sequences=8, kv_cache_mb=1, max_new_tokens=4000))
+    per_mb = (1 << 20) // (probe.models.kv_bytes_per_token * probe.models.kv_block_size)
+    blocks_per_request = -(-(60 + 4000) // probe.models.kv_block_size)
+    kv_mb = -(-2 * blocks_per_request // per_mb)  # two worst cases, rounded up
+    engine = Engine(parity_config(TINY, max_sequences=8, kv_cache_mb=kv_mb,
+                                  max_new_tokens=4000))
+    assert engine.batch is not None and engine.blocks is not None
+    assert 2 * blocks_per_request <= engine.blocks.num_blocks < 3 * blocks_per_request
+    fmt = parse_response_format({"type": "json_schema",
+                                 "schema": {"type": "string", "enum": ["yes", "no"]}})
+    request = GenerateRequest(messages=[{"role": "user", "content": "Yes or no?"}],
+                              max_tokens=4000, temperature=1.0, seed=3, response_format=fmt)
+    engine.batch.hold()  # all eight wait before any step runs
+    try:
+        gens = [submit(engine, request, 2000 + i) for i in range(8)]
+        wait_for(lambda: engine.batch is not None and engine.batch.queued() == (0, 8), 60,
+                 "all eight to wait")
+    finally:
+        engine.batch.release()
+    results = [g.future.result(60) for g in gens]
+    assert {r.text for r in results} <= {'"yes"', '"no"'}
+    assert engine.batch.peak_sequences == 8  # not two at a time
+    assert engine.batch.preemptions == 0 and engine.blocks.stats()["held"] == 0
+
+
+def test_generations_that_outgrow_the_pool_are_preempted_and_no_token_changes(
+        alone: Engine) -> None:
+    """Two answers of 500 tokens in a cache that holds one and a half: as they grow the
+    pool runs dry, the later admitted gives its blocks up and computes them again once
+    the other ends; both keep the ids they get alone."""
+    engine = Engine(parity_config(TINY, max_sequences=2, kv_cache_mb=1,
+                                  max_new_tokens=1000))
+    assert engine.batch is not None and engine.blocks is not None
+    greedy = ask(500)
+    sampled = ask(500, "image_gray", temperature=1.0, seed=11)
+    rows = engine.blocks.num_blocks * engine.blocks.block_size
+    assert rows < 2 * 500 < rows + 2 * 500  # both fit alone, not together
+    gens = [submit(engine, greedy, ALICE), submit(engine, sampled, BOB)]
+    results = [g.future.result(120) for g in gens]
+    assert engine.batch.preemptions >= 1
+    assert sum(g.seq.preemptions for g in gens if g.seq is not None) >= 1
+    assert results[0].token_ids == alone.generate(greedy).token_ids
+    assert results[1].token_ids == alone.generate(sampled).token_ids
+    assert all(r.usage.completion_tokens == 500 for r in results)
+    assert engine.blocks.stats()["held"] == 0
