@@ -41,7 +41,7 @@ from typing import Any, Literal, NoReturn
 
 import numpy as np
 
-from qvld.errors import BadRequest
+from qvld.errors import BadRequest, InternalError
 from qvld.fairqueue import FairQueue
 
 log = logging.getLogger("qvld.engine")
@@ -317,6 +317,7 @@ class Compiled:
     error: str | None
     seconds: float
     shortest: list[int] | None = None
+    internal: bool = False  # the error is qvld's (logged), not the format's
 
 
 @dataclass(eq=False)
@@ -360,9 +361,11 @@ class GrammarCompiler:
         # The vocabulary's token trie takes ~0.8 s to build for Qwen's 151k tokens:
         # built on a compile thread, so that it delays neither loading nor any request
         # without a response format.
+        # Set by the load, so declared before it starts (declared after, a load that won
+        # the race was overwritten: a compile then failed its assertion, seen under load).
+        self._finisher: Finisher | None = None
         self._tokenizer = self._pool.submit(self._load_tokenizer, tokenizer_json,
                                             list(eos_ids))
-        self._finisher: Finisher | None = None
         self.compiles = 0  # compiles run (not served from the cache), for tests and stats
         self.dropped = 0  # compiles nobody wanted any more by their turn
 
@@ -470,20 +473,26 @@ class GrammarCompiler:
 
         t0 = time.perf_counter()
         shortest = None
+        internal = False
         try:
             matcher = LLMatcher(self._tokenizer.result(), _grammar(fmt), log_level=0)
             error = matcher.get_error() if matcher.is_error() else None
-            if error is None:
-                shortest = self.finisher.finish(matcher, START_FINISH_LIMIT,
-                                                SearchWork(START_FINISH_WORK))
         except Exception as exc:  # llguidance raises ValueError; the GBNF converter others
             matcher, error = None, str(exc) or type(exc).__name__
+        if error is None:
+            try:  # our own code: a failure here is a bug, not the request's fault
+                shortest = self.finisher.finish(matcher, START_FINISH_LIMIT,
+                                                SearchWork(START_FINISH_WORK))
+            except Exception as exc:
+                log.exception("compiling a %s failed inside qvld", fmt.type)
+                error, internal = f"{type(exc).__name__}: {exc}", True
         result = Compiled(None if error else matcher, error, time.perf_counter() - t0,
-                          shortest)
+                          shortest, internal)
         with self._lock:
             self.compiles += 1
             self._jobs.pop(fmt.key, None)
-            self._done[fmt.key] = result
+            if not internal:  # a bug's failure is not the format's: tried again next time
+                self._done[fmt.key] = result
             while len(self._done) > self.cache_size:
                 self._done.popitem(last=False)
         return result
@@ -557,6 +566,9 @@ class Constraint:
             raise self._timed_out() from None
         if compiled.error == _ABANDONED and not self._abandoned:
             raise self._timed_out()  # its time was up before a thread took it
+        if compiled.internal:
+            raise InternalError(f"response_format: compiling the {self.format.type} failed "
+                                "inside qvld (logged); please report it")
         if compiled.error is not None or compiled.matcher is None:
             raise BadRequest(f"response_format: the {self.format.type} cannot be used: "
                              f"{_first_lines(compiled.error or 'no matcher')}")

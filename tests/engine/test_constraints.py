@@ -477,3 +477,45 @@ def test_a_compiler_nobody_holds_goes_with_its_threads() -> None:
     del compiler
     gc.collect()
     assert gone() is None
+
+
+def test_a_vocabulary_loaded_before_the_compiler_finished_starting_is_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vocabulary loads on a compile thread; on a loaded machine it can finish before
+    the compiler's constructor goes on. Run at once (as such a race would), it must not be
+    forgotten: a compile then failed its assertion and a user got a 400."""
+    from concurrent.futures import Future
+
+    def at_once(self: ThreadPoolExecutor, fn: Any, *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_result(fn(*args))
+        return future
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", at_once)
+    compiler = GrammarCompiler(TINY / "tokenizer.json", 768, EOS)
+    monkeypatch.undo()
+    constraint = compiler.start(parse_response_format({"type": "json_object"}), 30)
+    constraint.wait()  # compiled, its shortest answer found
+    assert constraint.shortest
+
+
+def test_a_failure_inside_qvld_while_compiling_is_internal_and_not_cached(
+        compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in our own code is a 500 (logged), never the user's 400, and the format is
+    compiled again next time instead of failing from the cache."""
+    from qvld.engine.constraints import Finisher
+    from qvld.errors import InternalError
+
+    fmt = parse_response_format({"type": "json_object"})
+    assert fmt is not None
+
+    def broken(*args: Any, **kw: Any) -> None:
+        raise AssertionError("a bug")
+
+    monkeypatch.setattr(Finisher, "finish", broken)
+    with pytest.raises(InternalError, match="inside qvld"):
+        compiler.start(fmt, 30).wait()
+    monkeypatch.undo()
+    constraint = compiler.start(fmt, 30)
+    constraint.wait()
+    assert constraint.shortest and compiler.compiles == 2
