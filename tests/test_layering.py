@@ -80,3 +80,32 @@ def test_no_import_cycles() -> None:
 def test_a_cycle_would_be_found() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# Modules outside the engine that it may import: the base everything stands on, and the
+# wire protocol's limits (a leaf: no I/O, no engine).
+ENGINE_BASE = {"qvld", "qvld.config", "qvld.errors", "qvld.fairqueue", "qvld.protocol"}
+
+
+def test_the_engine_imports_nothing_above_it() -> None:
+    """qvld/engine/ is used by the handlers, fronts and daemon, never the reverse."""
+    graph = import_graph()
+    up = {f"{name} -> {target}" for name, targets in graph.items()
+          if name.startswith("qvld.engine") for target in targets
+          if not target.startswith("qvld.engine") and target not in ENGINE_BASE}
+    assert not up, sorted(up)
+
+
+def test_the_scheduler_is_a_policy_over_data() -> None:
+    """The scheduler, the block pool and the sequence import no runtime, no runner and
+    no loop, and the scheduler starts or locks nothing: it is tested without a model."""
+    graph = import_graph()
+    allowed = {"qvld.engine.blocks", "qvld.engine.sequence", "qvld.engine.generate",
+               "qvld.engine.constraints", "qvld.engine.sampling", "qvld.engine.slots",
+               "qvld.engine.tokenizer", "qvld.engine.types", *ENGINE_BASE}
+    for name in ("qvld.engine.scheduler", "qvld.engine.blocks", "qvld.engine.sequence"):
+        assert graph[name] <= allowed, (name, sorted(graph[name] - allowed))
+    tree = ast.parse((ROOT / "qvld" / "engine" / "scheduler.py").read_text(encoding="utf-8"))
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    assert not imported & {"threading", "asyncio", "concurrent.futures"}
