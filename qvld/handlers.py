@@ -198,12 +198,15 @@ class Handlers:
                 raise Timeout("the deadline passed while the request's images were "
                               f"decoded ({exc})") from None
             raise
-        if prepared.constraint is not None:
-            if not await self._compiled(prepared.constraint, ctx):
+        constraint = prepared.constraint
+        if constraint is not None and not (engine.compiles_beside_prefill
+                                           and not constraint.ready):
+            if not await self._compiled(constraint, ctx):
                 ctx.outcome = "cancelled"
                 return cancelled_result().to_dict()
-            # No answer in the format fits max_tokens: refused before anything runs.
-            prepared.constraint.check_room(prepared.max_tokens)
+            # No answer in the format fits max_tokens: refused before anything runs
+            # (compiling beside the prefill, at the first token instead).
+            constraint.check_room(prepared.max_tokens)
         rid = ctx.request.id
 
         def events(index: int | None) -> TokenCallback:
@@ -279,10 +282,12 @@ class Handlers:
 
     @staticmethod
     async def _compiled(constraint: Constraint, ctx: RequestContext) -> bool:
-        """Wait, holding no thread, until the request's grammar is compiled, so that the
-        generation queue and its workers never wait for one (a user sending many large
-        schemas at once held them all, and others' requests waited behind). False when
-        the client left meanwhile; the typed error of a failed or late compile raises."""
+        """Wait, holding no thread, until the request's grammar is compiled: without
+        continuous batching (a slot runs the whole generation) or with the compile done
+        already (its budget then checked before anything runs). With the step loop a
+        compile still running goes on beside image encoding and prefill instead. False
+        when the client left meanwhile; the typed error of a failed or late compile
+        raises."""
         loop = asyncio.get_running_loop()
         left = asyncio.Event()
 

@@ -23,6 +23,8 @@ not touch it) and comes back through ``joined``.
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -59,7 +61,11 @@ def prefill_elsewhere(slot: RowsSlot, model: PagedModel, seq: Sequence, chunk: i
             seq.fed += len(embeds)
         assert logits is not None, "a lease always leaves the last prompt row to feed"
         seq.t_prefill = time.perf_counter()
-        seq.take(seq.decoding.accept(logits))
+        constraint = seq.decoding.constraint
+        if constraint is None or constraint.ready:
+            seq.take(seq.decoding.accept(logits))
+        else:  # its format still compiles: the step loop chooses the token when it ends
+            seq.logits = np.array(logits)
         model.write_rows(seq.lease.blocks, start, slot.rows_from(start))
     finally:
         slot.reset()
@@ -99,6 +105,9 @@ class BatchRunner:
         self._cond = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._held = False  # steps held (``hold``): the inbox is still drained
+        # (when, tie-break, message): messages the loop posts to itself for later.
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_ids = itertools.count()
         self.steps = 0
         # (running, waiting) as the loop last published them: read by other threads.
         self.view: tuple[tuple[Sequence, ...], tuple[Sequence, ...]] = ((), ())
@@ -225,6 +234,29 @@ class BatchRunner:
             if not fed and error is None:
                 seq.decoding.cancel()
             self._end(seq, error)
+        elif seq.logits is not None:
+            self._await_format(seq)
+
+    def _await_format(self, seq: Sequence) -> None:
+        """``seq``'s prompt is in and its logits kept, its response format still
+        compiling: it holds its place, feeds nothing, and its first token is chosen when
+        the compile ends or its time is up, whichever comes first (no thread waits)."""
+        constraint = seq.decoding.constraint
+        assert constraint is not None
+        constraint.future.add_done_callback(
+            lambda _: self._post(lambda: self._format_ready(seq)))
+        self._after(constraint.remaining_s, lambda: self._format_ready(seq))
+
+    def _format_ready(self, seq: Sequence) -> None:
+        logits, seq.logits = seq.logits, None
+        if logits is not None and seq.decoding.finish is None:  # not ended or preempted
+            self._choose(seq, logits)
+
+    def _after(self, delay: float, message: Callable[[], None]) -> None:
+        """Run ``message`` on the step thread ``delay`` seconds from now (a timer the
+        loop's sleep wakes for)."""
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._timer_ids),
+                                      message))
 
     # -- the step thread ----------------------------------------------------------------
 
@@ -232,14 +264,18 @@ class BatchRunner:
         stalled = False  # the last step fed nothing: only a message can change that
         while True:
             with self._cond:
-                while not self._inbox and (self._held or stalled):
+                while not self._inbox and (self._held or stalled) and not self._due():
                     if self.scheduler.idle and not self._held:
                         break
-                    self._cond.wait()
+                    self._cond.wait(self._timers[0][0] - time.monotonic()
+                                    if self._timers else None)
                 messages = list(self._inbox)
                 self._inbox.clear()
+                while self._due():
+                    messages.append(heapq.heappop(self._timers)[2])
                 if not messages and self.scheduler.idle:
                     self.view = ((), ())
+                    self._timers.clear()  # only ever for sequences that ended
                     self._thread = None
                     return
                 held = self._held
@@ -257,6 +293,9 @@ class BatchRunner:
                     for seq in self.scheduler.take_all():
                         self._end(seq, exc)
             self._publish()
+
+    def _due(self) -> bool:
+        return bool(self._timers) and self._timers[0][0] <= time.monotonic()
 
     def _publish(self) -> None:
         running, waiting = self.scheduler.snapshot()
@@ -313,15 +352,12 @@ class BatchRunner:
             if not seq.t_prefill:
                 seq.t_prefill = now
                 seq.prefilled()
-            try:
-                seq.take(seq.decoding.accept(np.array(logits[i])))
-            except Exception as exc:  # this sequence's sampling or streaming only
-                self.scheduler.finish(seq)
-                self._end(seq, exc)
-                continue
-            if seq.decoding.finish is not None:
-                self.scheduler.finish(seq)
-                self._end(seq)
+            constraint = seq.decoding.constraint
+            if constraint is not None and not seq.generated and not constraint.ready:
+                seq.logits = np.array(logits[i])
+                self._await_format(seq)
+            else:
+                self._choose(seq, np.array(logits[i]))
         if self.on_step is not None:
             self._publish()  # what the hook reads (a test's step gate) is this step's
             self.on_step(len(rows), prefill_rows)
@@ -329,11 +365,25 @@ class BatchRunner:
             self.on_prefill(self.runtime, prefill_rows)
         return True
 
+    def _choose(self, seq: Sequence, logits: np.ndarray) -> None:
+        """``seq``'s next token(s) from ``logits``; ended when a stop rule fired."""
+        try:
+            seq.take(seq.decoding.accept(logits))
+        except Exception as exc:  # this sequence's sampling or streaming only
+            self.scheduler.finish(seq)
+            self._end(seq, exc)
+            return
+        if seq.decoding.finish is not None:
+            self.scheduler.finish(seq)
+            self._end(seq)
+
     def _end(self, seq: Sequence, error: BaseException | None = None) -> None:
         """Tell ``seq``'s owner it ended (its blocks are back already)."""
         if error is None:
             seq.outcome = seq.decoding.outcome(seq.t0, seq.t_prefill or time.perf_counter(),
                                                seq.cached)
         seq.error = error
+        if seq.decoding.constraint is not None:  # a compile nobody waits for may stop
+            seq.decoding.constraint.abandon()
         if seq.on_done is not None:
             seq.on_done(seq)

@@ -546,6 +546,12 @@ class Constraint:
         return self.future.result().error
 
     @property
+    def ready(self) -> bool:
+        """Whether the first token can be chosen now without waiting: compiled (or
+        failed), or its compile time is up (``wait`` then raises at once)."""
+        return self._matcher is not None or self.future.done() or not self.remaining_s
+
+    @property
     def remaining_s(self) -> float:
         """Seconds left of ``engine.grammar_compile_timeout_s``."""
         return max(0.0, self._deadline - time.monotonic())

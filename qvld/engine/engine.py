@@ -286,6 +286,13 @@ class Engine:
         return self.models.runtime, self.models.runtime_version
 
     @property
+    def compiles_beside_prefill(self) -> bool:
+        """Whether a response format's compile runs beside image encoding and prefill,
+        only the first constrained token waiting for it (the step loop); without
+        continuous batching a slot would wait, so the handlers wait before submitting."""
+        return self.batch is not None
+
+    @property
     def prompt_runtime(self) -> str:
         """The runtime that prefills prompts: the prompt backend's where its rows can go
         into the paged cache (model.prompt_backend), else the decoding one's."""

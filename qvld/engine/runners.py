@@ -158,10 +158,6 @@ class StepRunner:
                 if visual.any():
                     rows_of = np.cumsum(prompt.visual_mask)[cached:][visual] - 1
                     embeds[visual] = prompt.visual_embeds[rows_of]
-                if decoding.constraint is not None:
-                    # Compiled by now (the handlers wait for it before submitting): the
-                    # step loop never waits for one sequence's grammar.
-                    decoding.constraint.wait()
                 outside = slot.prompt_slot is not None and self.batch.model.rows_accessible
         except BaseException:
             self.blocks.release(lease)

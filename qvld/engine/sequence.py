@@ -52,6 +52,9 @@ class Sequence:
     submitted: float = field(default_factory=time.monotonic)
     admitted: float | None = None  # first admitted to the running set
     preemptions: int = 0
+    # Its prompt's last logits, kept while its response format still compiles: the
+    # first token is chosen from them when the compile ends (``BatchRunner``).
+    logits: np.ndarray | None = None
     outcome: Outcome | None = None
     error: BaseException | None = None
 
@@ -129,5 +132,6 @@ class Sequence:
         if self.token is not None:
             self.keys.append((self.token, None))
             self.token = None
+        self.logits = None  # computed again with its rows
         self.fed = self.cached
         self.preemptions += 1

@@ -23,7 +23,7 @@ from qvld.engine import Engine, GenerateRequest
 from qvld.engine.constraints import Constraint, Finisher, GrammarCompiler, parse_response_format
 from qvld.engine.tools import parse_tools
 from qvld.errors import BadRequest
-from tests.conftest import TINY, parity_config
+from tests.conftest import TINY, parity_config, wait_for
 from tests.engine.test_constraints import DATE, EOS, SYSTEM, WIRE, check_answer
 
 # Six required properties with long names and bounded values: most of the answer is
@@ -341,7 +341,9 @@ def test_a_preempted_generation_with_forced_rows_resumes_to_the_same_answer() ->
 def test_an_answer_closes_when_its_compile_ends_after_the_prompt(
         batching: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compile still running when the prompt is fed (a loaded machine) is waited for
-    before the answer's first token: the answer still has its way to close."""
+    before the answer's first token: the answer still has its way to close. With the
+    step loop nothing blocks meanwhile: the prompt is fed beside the compile, and the
+    sequence keeps its logits until the compile ends."""
     slow, needed = threading.Event(), threading.Event()
     compile_, wait = GrammarCompiler._compile, Constraint.wait
 
@@ -359,7 +361,12 @@ def test_an_answer_closes_when_its_compile_ends_after_the_prompt(
     prepared = engine.prepare(request("open", 6, max_tokens=40))
     assert prepared.constraint is not None and not prepared.constraint.future.done()
     gen = engine.submit(prepared)
-    assert needed.wait(30)
+    if batching:
+        wait_for(lambda: gen.seq is not None and gen.seq.logits is not None, 30,
+                 "the prompt fed, its first token waiting for the compile")
+        assert not needed.is_set() and not prepared.constraint.future.done()
+    else:
+        assert needed.wait(30)
     slow.set()
     result = gen.future.result(60)
     jsonschema.validate(json.loads(result.text), OPEN)

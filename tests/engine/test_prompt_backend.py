@@ -247,3 +247,41 @@ def test_daemon_serves_with_prompts_on_onnxruntime(tmp_path: Path) -> None:
             assert after.get(("qvld_prefill_tokens_total", (("runtime", "openvino"),)), 0) == 0
     finally:
         assert daemon.stop() == 0, daemon.log()
+
+
+def test_a_prompt_prefilled_elsewhere_waits_for_its_compile_without_holding_a_slot(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime prefills a prompt whose response format is still compiling: the slot
+    keeps the logits for the step loop and is free again at once (another request is
+    answered meanwhile); the first token comes when the compile ends."""
+    import json
+    import threading
+
+    from qvld.engine.constraints import GrammarCompiler, parse_response_format
+    from tests.conftest import wait_for
+
+    slow = threading.Event()
+    compile_ = GrammarCompiler._compile
+
+    def late(self: GrammarCompiler, fmt: Any) -> Any:
+        assert slow.wait(30)
+        return compile_(self, fmt)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", late)
+    schema = {"type": "object", "properties": {"late": {"type": "boolean"}},
+              "required": ["late"]}
+    prepared = engine.prepare(GenerateRequest(
+        messages=with_image_bytes(CASES["image_photo"]["messages"], TINY), max_tokens=30,
+        temperature=0.0, response_format=parse_response_format(
+            {"type": "json_schema", "schema": schema})))
+    gen = engine.submit(prepared)
+    try:
+        wait_for(lambda: gen.seq is not None and gen.seq.logits is not None
+                 and not gen.seq.outside, 60, "the prompt prefilled, its token waiting")
+        # Both slots are free: a plain request is answered while the compile runs.
+        assert ask(engine, CASES["image_photo"]).finish_reason in ("stop", "length")
+        assert not gen.future.done()
+    finally:
+        slow.set()
+    result = gen.future.result(60)
+    assert json.loads(result.text)["late"] in (True, False)
