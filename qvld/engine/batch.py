@@ -61,11 +61,10 @@ def prefill_elsewhere(slot: RowsSlot, model: PagedModel, seq: Sequence, chunk: i
             seq.fed += len(embeds)
         assert logits is not None, "a lease always leaves the last prompt row to feed"
         seq.t_prefill = time.perf_counter()
-        constraint = seq.decoding.constraint
-        if constraint is None or constraint.ready:
-            seq.take(seq.decoding.accept(logits))
-        else:  # its format still compiles: the step loop chooses the token when it ends
+        if seq.awaits_format:  # the step loop chooses the token when the compile ends
             seq.logits = np.array(logits)
+        else:
+            seq.take(seq.decoding.accept(logits))
         model.write_rows(seq.lease.blocks, start, slot.rows_from(start))
     finally:
         slot.reset()
@@ -206,15 +205,13 @@ class BatchRunner:
     # -- the step thread: the inbox's messages --------------------------------------------
 
     def _add(self, seq: Sequence) -> None:
-        if seq.decoding.finish is not None:  # done at its first token already
-            self.pool.release(seq.lease)
-            self._end(seq)
-        elif seq.decoding.should_stop():  # cancelled before it reached the loop
-            self.pool.release(seq.lease)
-            seq.decoding.cancel()
-            self._end(seq)
-        else:
+        if seq.decoding.finish is None and not seq.decoding.should_stop():
             self.scheduler.add(seq)
+            return
+        if seq.decoding.finish is None:  # cancelled before it reached the loop
+            seq.decoding.cancel()
+        self.pool.release(seq.lease)
+        self._end(seq)
 
     def _cancel(self, seq: Sequence) -> None:
         if self.scheduler.remove_waiting(seq):
@@ -243,9 +240,16 @@ class BatchRunner:
         the compile ends or its time is up, whichever comes first (no thread waits)."""
         constraint = seq.decoding.constraint
         assert constraint is not None
-        constraint.future.add_done_callback(
-            lambda _: self._post(lambda: self._format_ready(seq)))
-        self._after(constraint.remaining_s, lambda: self._format_ready(seq))
+        # Whichever fires first takes the sequence; the other (the timer may wait for
+        # the whole compile timeout) then holds nothing.
+        waiting = [seq]
+
+        def ready() -> None:
+            if waiting:
+                self._format_ready(waiting.pop())
+
+        constraint.future.add_done_callback(lambda _: self._post(ready))
+        self._after(constraint.remaining_s, ready)
 
     def _format_ready(self, seq: Sequence) -> None:
         logits, seq.logits = seq.logits, None
@@ -352,8 +356,7 @@ class BatchRunner:
             if not seq.t_prefill:
                 seq.t_prefill = now
                 seq.prefilled()
-            constraint = seq.decoding.constraint
-            if constraint is not None and not seq.generated and not constraint.ready:
+            if seq.awaits_format:
                 seq.logits = np.array(logits[i])
                 self._await_format(seq)
             else:

@@ -86,6 +86,12 @@ class Sequence:
             self.keys.extend((token, None) for token in tokens)
 
     @property
+    def awaits_format(self) -> bool:
+        """Its first token would wait for a response format still compiling."""
+        constraint = self.decoding.constraint
+        return constraint is not None and not self.generated and not constraint.ready
+
+    @property
     def generated(self) -> int:
         return len(self.decoding.text.ids)
 
