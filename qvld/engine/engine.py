@@ -379,10 +379,14 @@ class Engine:
         (one prefill: each computes only the rows of its last, partly filled block).
         Otherwise all start at once. Busy when the queue cannot take them all."""
         gens = [Generation(uid=prepared.uid, stop_when=should_stop) for _ in on_tokens]
-        running, waiting = self.counts()
+        # Counted from the generations not yet settled (a settled one is gone before its
+        # caller hears of it), not from the step loop's last published view: a client
+        # that sends its next request as soon as its last one answered is not busy.
+        with self._lock:
+            in_flight = len(self._generations)
         places = (self.batch.max_sequences if self.batch is not None
                   else self.workers.workers)
-        if waiting + len(gens) - 1 - (places - running) >= self.queue_max:
+        if in_flight + len(gens) > places + self.queue_max:
             raise Busy(f"the queue is full ({self.queue_max} waiting); retry shortly")
         rest = [(gen, self._choice(prepared, i), on_token)
                 for i, (gen, on_token) in enumerate(zip(gens, on_tokens, strict=True)) if i]
@@ -451,7 +455,9 @@ class Engine:
                    else self.workers.running)
         with self._lock:
             total = len(self._generations)
-        return running, max(0, total - running)
+        # The loop's view may still hold a sequence whose generation just settled.
+        running = min(running, total)
+        return running, total - running
 
     def close(self) -> None:
         """Start nothing more: waiting generations end cancelled."""

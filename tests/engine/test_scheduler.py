@@ -127,6 +127,32 @@ def test_the_queue_bound_and_a_request_larger_than_the_kv_cache() -> None:
     assert engine.generate(ask(4)).usage.completion_tokens == 4  # still serving
 
 
+def test_a_client_that_asks_again_as_soon_as_answered_is_not_busy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One place, no queue: each answer's caller sends its next request at once. The
+    loop publishes its view after the step that ended the last one; the bound must not
+    count a generation that already answered (a CI failure: 'queue is full (0
+    waiting)'). The view is held stale here so the threads' order cannot hide it."""
+    config = parity_config(TINY, infer_requests=1, max_sequences=1)
+    engine = Engine(config.model_copy(update={
+        "server": config.server.model_copy(update={"queue_max": 0})}))
+    assert engine.batch is not None
+    first = submit(engine, ask(4), ALICE)
+    wait_for(lambda: engine.batch is not None and engine.batch.queued() == (1, 0), 30,
+             "the first to run")
+    first.future.result(30)
+    # As the loop's view reads between the step that ended it and the next publish.
+    monkeypatch.setattr(engine.batch, "queued", lambda: (1, 0))
+    assert engine.counts() == (0, 0)
+    for _ in range(3):  # each sent the moment the last answered
+        assert submit(engine, ask(4), ALICE).future.result(30).usage.completion_tokens == 4
+    running = submit(engine, ask(400), ALICE)
+    with pytest.raises(Busy, match="queue is full"):  # the bound still holds
+        submit(engine, ask(4), BOB)
+    engine.cancel(running)
+    assert running.future.result(10).finish_reason == "cancelled"
+
+
 def test_eight_long_budgets_run_at_once_in_a_cache_sized_for_two() -> None:
     """KV blocks are taken as answers grow: eight requests of max_tokens 4000 whose
     answers a response format keeps to a few tokens all run at once, in a cache that
