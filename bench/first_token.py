@@ -170,7 +170,7 @@ def timed(stages: Stages, owner: Any, method: str, name: str | Callable[..., str
 
 
 def instrument(stages: Stages) -> None:
-    from qvld.engine import onnxruntime, openvino, prompts
+    from qvld.engine.model import onnxruntime, openvino, prompts
 
     timed(stages, prompts, "prepare", "image decode + resize + patchify")
     step_name = lambda self, embeds, *a, **k: f"step ({embeds.shape[0]} rows)"  # noqa: E731
@@ -386,7 +386,7 @@ def encode(system: str, image: Any) -> Any:
     from PIL import Image
 
     from qvld.config import EngineConfig
-    from qvld.engine.image import smart_resize
+    from qvld.engine.inputs.image import smart_resize
 
     budget = EngineConfig().default_image_tokens * 32 * 32  # 2x2 patches of 16 px a token
     height, width = smart_resize(image.height, image.width, 32, 256 * 256, budget)

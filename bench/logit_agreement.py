@@ -36,7 +36,7 @@ from scenes import scene
 
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.generate import never, prefill
+from qvld.engine.decoding.generation import never, prefill
 
 PROMPTS: list[tuple[int | None, str]] = [
     (1, "Describe this image."), (2, "What is in the picture? Answer briefly."),

@@ -32,7 +32,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from qvld.config import EngineConfig
-from qvld.engine.onnxruntime import session_options
+from qvld.engine.model.onnxruntime import session_options
 
 
 def graph_model(nodes: list[onnx.NodeProto], k: int, n: int,

@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from qvld.config import EngineConfig
-from qvld.engine.onnxruntime import register_shared_arena, session_options
+from qvld.engine.model.onnxruntime import register_shared_arena, session_options
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,7 +71,7 @@ def sampled_frames(clip: bytes, spec: Any) -> np.ndarray:
     """The frames qvld samples from ``clip``, at the clip's own size, for GenAI."""
     import av
 
-    from qvld.engine.video import sample_indices
+    from qvld.engine.inputs.video import sample_indices
 
     with av.open(io.BytesIO(clip)) as container:
         stream = container.streams.video[0]

@@ -93,7 +93,7 @@ def config_source(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
 
 
 def check_config(config: Config) -> int:
-    from qvld.engine.model_dir import load_model_spec
+    from qvld.engine.model.model_dir import load_model_spec
     from qvld.errors import ModelInvalid
     from qvld.http.server import HttpSetupError, load_http
 

@@ -12,10 +12,10 @@ from typing import Any
 from qvld import __version__, protocol
 from qvld.config import Config
 from qvld.engine import Engine
-from qvld.engine.constraints import Constraint
+from qvld.engine.decoding.constraints import Constraint
 from qvld.engine.engine import PreparedRequest
-from qvld.engine.prompt_builder import PrepareStopped
-from qvld.engine.request import bool_param, int_param, parse_deadline, parse_generate
+from qvld.engine.inputs.prompt_builder import PrepareStopped
+from qvld.engine.inputs.request import bool_param, int_param, parse_deadline, parse_generate
 from qvld.engine.types import GenerateResult, TokenCallback, cancelled_result
 from qvld.errors import BadRequest, Forbidden, Timeout, Unavailable, UnsupportedVersion
 from qvld.metrics import Metrics

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from qvld.config import Config
-from qvld.engine.compiled_cache import unsafe_dir
+from qvld.engine.model.compiled_cache import unsafe_dir
 from qvld.system import System, choose_node
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
@@ -259,7 +259,7 @@ def check_glibc(system: System, config: Config) -> Check:
 
 
 def check_model(system: System, config: Config) -> Check:
-    from qvld.engine.model_dir import GRAPHS, SUBMODELS, load_model_spec
+    from qvld.engine.model.model_dir import GRAPHS, SUBMODELS, load_model_spec
     from qvld.errors import ModelInvalid
 
     path = config.model.path
@@ -315,7 +315,7 @@ def check_cache_dir(system: System, config: Config) -> Check:
                        "CacheDirectory=qvld in the unit")
     problem = unsafe_dir(config.model.cache_dir) if check.status == OK and \
         config.model.cache_dir.is_dir() else None
-    if problem is not None:  # the engine will not use it (see qvld/engine/compiled_cache.py)
+    if problem is not None:  # the engine will not use it (see qvld/engine/model/compiled_cache.py)
         return Check("cache_dir", WARN, f"{problem[0]}: compiled models would not be cached",
                      why + "; a cache others can write could replace what the daemon runs",
                      problem[1])

@@ -98,7 +98,7 @@ class StepGate:
     ``gate.hold_when(predicate)`` returns once the loop, after the first step at whose
     end ``predicate()`` is true, holds its steps (the predicate is checked on the step
     thread, so nothing runs on between); ``gate.release()`` (or leaving the ``with``)
-    lets it go on. A held loop still takes requests and cancels in (``BatchRunner.hold``),
+    lets it go on. A held loop still takes requests and cancels in (``StepLoop.hold``),
     so what waits shows in ``batch.view``."""
 
     def __init__(self, engine: Engine) -> None:

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from qvld import protocol
-from qvld.engine.image import PixelBudget, prepare
-from qvld.engine.model_dir import load_model_spec
-from qvld.engine.request import parse_generate
+from qvld.engine.inputs.image import PixelBudget, prepare
+from qvld.engine.inputs.request import parse_generate
+from qvld.engine.model.model_dir import load_model_spec
 from qvld.errors import BadRequest, FrameTooLarge, ImageInvalid, ImageTooLarge, QvlError
 from tests.conftest import TINY
 

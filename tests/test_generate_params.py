@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qvld.engine import Engine
-from qvld.engine.model_dir import GenerationDefaults
-from qvld.engine.request import GENERATE_PARAMS, parse_deadline, parse_generate, sampling
+from qvld.engine.inputs.request import GENERATE_PARAMS, parse_deadline, parse_generate, sampling
+from qvld.engine.model.model_dir import GenerationDefaults
 from qvld.errors import BadRequest, ImageInvalid, InternalError, QvlError
 from tests.conftest import TINY
 

@@ -27,7 +27,7 @@ import pytest
 from PIL import Image
 
 from qvld import protocol
-from qvld.engine import image
+from qvld.engine.inputs import image
 from qvld.errors import QvlError
 from tests.conftest import (
     NOBODY,

@@ -68,7 +68,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_lazy_imports() -> None:
     graph = import_graph()
-    assert "qvld.engine.openvino" in graph["qvld.engine.backend"]  # imported lazily
+    assert "qvld.engine.model.openvino" in graph["qvld.engine.model.backend"]  # imported lazily
     assert "qvld.app" in graph["qvld.cli"]  # imported inside main()
 
 
@@ -96,16 +96,49 @@ def test_the_engine_imports_nothing_above_it() -> None:
     assert not up, sorted(up)
 
 
+# The engine's rooms, lowest first: each imports only the rooms before it (and itself).
+# The modules directly in qvld/engine/ are its front (Engine, the runners, the slot
+# workers, the public types), above every room.
+ENGINE_ROOMS = ("qvld.engine.model", "qvld.engine.decoding", "qvld.engine.inputs",
+                "qvld.engine.loop")
+
+
+def engine_room(name: str) -> int:
+    """The rank of the room holding engine module ``name`` (the front ranks last)."""
+    for rank, room in enumerate(ENGINE_ROOMS):
+        if name == room or name.startswith(room + "."):
+            return rank
+    return len(ENGINE_ROOMS)
+
+
+def test_the_engine_rooms_point_one_way() -> None:
+    """model <- decoding <- inputs <- loop <- the front: no import back up a room."""
+    graph = import_graph()
+    rooms = {name for name in graph if name.startswith("qvld.engine.")}
+    assert {engine_room(name) for name in rooms} == set(range(len(ENGINE_ROOMS) + 1))
+    up = {f"{name} -> {target}" for name in rooms for target in graph[name]
+          if target.startswith("qvld.engine") and engine_room(target) > engine_room(name)}
+    assert not up, sorted(up)
+
+
+def test_a_room_import_back_up_would_be_found() -> None:
+    assert engine_room("qvld.engine.model.openvino") < engine_room("qvld.engine.loop.blocks")
+    assert engine_room("qvld.engine.loop.step_loop") < engine_room("qvld.engine.runners")
+
+
 def test_the_scheduler_is_a_policy_over_data() -> None:
     """The scheduler, the block pool and the sequence import no runtime, no runner and
     no loop, and the scheduler starts or locks nothing: it is tested without a model."""
     graph = import_graph()
-    allowed = {"qvld.engine.blocks", "qvld.engine.sequence", "qvld.engine.generate",
-               "qvld.engine.constraints", "qvld.engine.sampling", "qvld.engine.slots",
-               "qvld.engine.tokenizer", "qvld.engine.types", *ENGINE_BASE}
-    for name in ("qvld.engine.scheduler", "qvld.engine.blocks", "qvld.engine.sequence"):
+    allowed = {"qvld.engine.loop.blocks", "qvld.engine.loop.sequence",
+               "qvld.engine.decoding.generation", "qvld.engine.decoding.constraints",
+               "qvld.engine.decoding.sampling", "qvld.engine.model.interface",
+               "qvld.engine.model.tokenizer", *ENGINE_BASE}
+    for name in ("qvld.engine.loop.scheduler", "qvld.engine.loop.blocks",
+                 "qvld.engine.loop.sequence"):
         assert graph[name] <= allowed, (name, sorted(graph[name] - allowed))
-    tree = ast.parse((ROOT / "qvld" / "engine" / "scheduler.py").read_text(encoding="utf-8"))
+    path = ROOT / "qvld" / "engine" / "loop" / "scheduler.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     assert not imported & {"threading", "asyncio", "concurrent.futures"}

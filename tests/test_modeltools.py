@@ -17,7 +17,7 @@ import pytest
 
 from qvld.config import Config
 from qvld.engine import Engine
-from qvld.engine.model_dir import SUBMODELS
+from qvld.engine.model.model_dir import SUBMODELS
 from qvld.errors import ModelInvalid
 from qvld.modeltools.convert import ExportProgress, add_beside_ir, write_model
 from tests.conftest import TINY, wait_for

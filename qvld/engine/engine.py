@@ -13,10 +13,10 @@ Who owns what, in the order a request meets them:
   its history joined, or started afresh when it cannot be rebuilt), then the runner
   (``runners``): the whole generation on the slot (``SlotRunner``: no continuous
   batching), or the prompt's cached prefix held, its images encoded and rows embedded,
-  and the ``sequence.Sequence`` handed to the step loop (``StepRunner``).
-- The step loop (``batch.BatchRunner``, one thread) asks the step scheduler
+  and the ``sequence.Sequence`` handed to the step loop (``LoopRunner``).
+- The step loop (``loop.step_loop.StepLoop``, one thread) asks the step scheduler
   (``scheduler.StepScheduler``: waiting, running, KV blocks, rows per step, fairness and
-  preemption) who runs, feeds the rows, samples (``generate.Decoding``) and calls the
+  preemption) who runs, feeds the rows, samples (``decoding.generation.Decoding``) and calls the
   sequence's ``on_done``.
 - ``_finish``: the result, the session turn committed (and its blocks pinned), the
   future settled.
@@ -35,19 +35,14 @@ from typing import Any
 import numpy as np
 
 from qvld.config import Config
-from qvld.engine.backend import SlotPool, load_models, release_file_pages
-from qvld.engine.batch import BatchRunner
-from qvld.engine.blocks import BlockPool
-from qvld.engine.constraints import Constraint, GrammarCompiler
-from qvld.engine.generate import Decoding, never
-from qvld.engine.image import PixelBudget, PreparedImage
-from qvld.engine.image_cache import ImageCache
-from qvld.engine.model_dir import ModelSpec, load_model_spec
-from qvld.engine.prompt_builder import HistoryLost, PromptBuilder, prompt_keys
-from qvld.engine.request import CheckedRequest, check, image_tokens, sampling
-from qvld.engine.runners import Generation, Ran, RunJob, Runner, SlotRunner, StepRunner
-from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
-from qvld.engine.sessions import (
+from qvld.engine.decoding.constraints import Constraint, GrammarCompiler
+from qvld.engine.decoding.generation import Decoding, never
+from qvld.engine.decoding.sampling import Sampler, SamplingParams, StopStrings
+from qvld.engine.inputs.image import PixelBudget, PreparedImage
+from qvld.engine.inputs.image_cache import ImageCache
+from qvld.engine.inputs.prompt_builder import HistoryLost, PromptBuilder, prompt_keys
+from qvld.engine.inputs.request import CheckedRequest, check, image_tokens, sampling
+from qvld.engine.inputs.sessions import (
     Session,
     SessionStore,
     Turn,
@@ -56,8 +51,14 @@ from qvld.engine.sessions import (
     dropped,
     kept_ids,
 )
-from qvld.engine.tokenizer import ChatTemplate, TextTokenizer
-from qvld.engine.tools import HeldText, ToolSet, split_calls
+from qvld.engine.inputs.tools import HeldText, ToolSet, split_calls
+from qvld.engine.inputs.vision import ImageEmbedding, encode_image
+from qvld.engine.loop.blocks import BlockPool
+from qvld.engine.loop.step_loop import StepLoop
+from qvld.engine.model.backend import SlotPool, load_models, release_file_pages
+from qvld.engine.model.model_dir import ModelSpec, load_model_spec
+from qvld.engine.model.tokenizer import ChatTemplate, TextTokenizer
+from qvld.engine.runners import Generation, LoopRunner, Ran, RunJob, Runner, SlotRunner
 from qvld.engine.types import (
     GenerateRequest,
     GenerateResult,
@@ -66,7 +67,6 @@ from qvld.engine.types import (
     TokenCallback,
     Usage,
 )
-from qvld.engine.vision import ImageEmbedding, encode_image
 from qvld.engine.workers import SlotWorkers, Work
 from qvld.errors import Busy, ModelInvalid, PromptTooLong
 
@@ -137,12 +137,12 @@ class Engine:
         budget: int | None = config.engine.kv_retained_bytes // self.models.kv_bytes_per_token
         # With continuous batching the slots only encode images and embed prompts; the
         # language model steps every generation at once in the batch runner.
-        self.batch: BatchRunner | None = None
+        self.batch: StepLoop | None = None
         self.blocks: BlockPool | None = None
         if self.models.paged:
             self.blocks = self._block_pool(config)
             paged = self.models.new_paged(self.blocks.num_blocks)
-            self.batch = BatchRunner(paged, self.blocks,
+            self.batch = StepLoop(paged, self.blocks,
                                      max_sequences=config.engine.max_sequences,
                                      max_batch_tokens=config.engine.max_batch_tokens,
                                      chunk=config.engine.prefill_chunk,
@@ -176,7 +176,7 @@ class Engine:
         self.runner: Runner = (
             SlotRunner(self.pool, self.prompts, config.engine.prefill_chunk)
             if self.batch is None else
-            StepRunner(self.pool, self.prompts, self.batch, self.workers, self.max_context,
+            LoopRunner(self.pool, self.prompts, self.batch, self.workers, self.max_context,
                        self.prompt_runtime))
         self.load_s = time.perf_counter() - t0
 

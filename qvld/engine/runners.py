@@ -10,9 +10,9 @@ calls ``start`` again).
   ``engine.continuous_batching: false``): the whole generation on the worker's slot,
   reusing the slot's KV cache as a prefix cache. ``done`` is called before ``start``
   returns.
-- ``StepRunner`` (continuous batching): the prompt's cached prefix held, its images
+- ``LoopRunner`` (continuous batching): the prompt's cached prefix held, its images
   encoded and rows embedded on the slot, then the ``Sequence`` handed to the step loop
-  (``batch.BatchRunner``); ``done`` is called later, on the step thread. A prompt
+  (``loop.step_loop.StepLoop``); ``done`` is called later, on the step thread. A prompt
   prefilled by another runtime (``model.prompt_backend``) goes back to a slot worker
   once admitted.
 """
@@ -28,13 +28,13 @@ from typing import Protocol
 
 import numpy as np
 
-from qvld.engine.backend import SlotPool, common_prefix
-from qvld.engine.batch import BatchRunner, prefill_elsewhere
-from qvld.engine.generate import Decoding, Outcome, Prompt, never, run_generation
-from qvld.engine.prompt_builder import PromptBuilder, prompt_keys
-from qvld.engine.sequence import Sequence
-from qvld.engine.sessions import TurnInputs
-from qvld.engine.slots import Slot
+from qvld.engine.decoding.generation import Decoding, Outcome, Prompt, never, run_generation
+from qvld.engine.inputs.prompt_builder import PromptBuilder, prompt_keys
+from qvld.engine.inputs.sessions import TurnInputs
+from qvld.engine.loop.sequence import Sequence
+from qvld.engine.loop.step_loop import StepLoop, prefill_elsewhere
+from qvld.engine.model.backend import SlotPool, common_prefix
+from qvld.engine.model.interface import Slot
 from qvld.engine.types import GenerateResult
 from qvld.engine.workers import SlotWorkers, Work
 from qvld.errors import Unavailable
@@ -126,8 +126,8 @@ class SlotRunner:
         job.done((prompt, outcome, t_vision, t_generate), None)
 
 
-class StepRunner:
-    def __init__(self, pool: SlotPool, prompts: PromptBuilder, batch: BatchRunner,
+class LoopRunner:
+    def __init__(self, pool: SlotPool, prompts: PromptBuilder, batch: StepLoop,
                  workers: SlotWorkers, max_context: int, prompt_runtime: str) -> None:
         self.pool = pool
         self.prompts = prompts

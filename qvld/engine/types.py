@@ -2,42 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
-if TYPE_CHECKING:
-    from qvld.engine.constraints import ResponseFormat
-    from qvld.engine.tools import ToolCall, ToolSet
+# Defined where they are used first, named here for the engine's callers.
+from qvld.engine.decoding.generation import FinishReason, TokenCallback
+from qvld.engine.inputs.request import GenerateRequest
+from qvld.engine.inputs.tools import ToolCall
 
-# "tool_calls": the answer is calls of the request's tools (it stopped after them).
-FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
-
-
-@dataclass
-class GenerateRequest:
-    """One generation. ``None`` means: take the model's generation_config / engine default."""
-
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    max_image_tokens: int | None = None
-    session: str | None = None  # continue (or start) this conversation
-    response_format: ResponseFormat | None = None  # what the answer must match
-    # Each generated token's log-probability and this many alternatives (0..20); None: off.
-    logprobs: int | None = None
-    min_p: float | None = None
-    tools: ToolSet | None = None  # the tools it may call, and how
-    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs
-    n: int = 1  # answers to the prompt (choices), each sampled on its own
+__all__ = ["FinishReason", "GenerateRequest", "GenerateResult", "SessionInfo", "Timings",
+           "TokenCallback", "Usage", "cancelled_result"]
 
 
 @dataclass
@@ -87,7 +61,7 @@ class GenerateResult:
     response_format: str | None = None
     grammar_compile_s: float | None = None
     mask_s: list[float] = field(default_factory=list, repr=False)
-    # One entry per generated token when asked (see generate.Decoding).
+    # One entry per generated token when asked (see decoding.generation.Decoding).
     logprobs: list[dict[str, Any]] | None = None
     # The answer's calls of the request's tools (``text`` is what came before them).
     tool_calls: list[ToolCall] | None = None
@@ -105,12 +79,6 @@ class GenerateResult:
         if self.tool_calls is not None:
             out["tool_calls"] = [call.to_dict() for call in self.tool_calls]
         return out
-
-
-# on_token(text_delta, new_token_ids): called as text becomes final (never mid-character,
-# never a possible stop-string prefix). A request that asks for logprobs calls it with a
-# third argument, the entries of those ids (``logprobs=``).
-TokenCallback = Callable[..., None]
 
 
 def cancelled_result() -> GenerateResult:

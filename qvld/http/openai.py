@@ -1,7 +1,7 @@
 """OpenAI chat completions <-> protocol v1 ``generate``: translation only, no I/O.
 
 ``parse_chat`` turns a ``POST /v1/chat/completions`` body into the params the socket's
-``generate`` takes (so one parser, ``qvld.engine.request``, still checks every value);
+``generate`` takes (so one parser, ``qvld.engine.inputs.request``, still checks every value);
 the other functions shape results, stream chunks and errors the way OpenAI's clients
 read them. Images come as ``data:`` URLs (PNG, JPEG, WebP, GIF); http(s) URLs are left
 for the caller to fetch, where the admin allows it.
@@ -10,7 +10,7 @@ for the caller to fetch, where the admin allows it.
 ``name``, ``description``, ``schema`` and ``strict``; every schema is enforced, strict or
 not), plus protocol v1's ``regex`` and ``grammar`` types as extensions.
 ``tools``, ``tool_choice`` and ``parallel_tool_calls`` go to protocol v1 as they are
-(``qvld.engine.tools``); the answer's calls come back as ``message.tool_calls`` (and, in
+(``qvld.engine.inputs.tools``); the answer's calls come back as ``message.tool_calls`` (and, in
 a stream, as ``delta.tool_calls``: each call's id and name, then its arguments).
 Fields OpenAI defines but qvld does not do (legacy ``functions``, audio, ...) are refused
 when they ask for something, and accepted at their "off" value, because clients send
@@ -31,8 +31,8 @@ from typing import Any
 import pybase64
 
 from qvld.config import did_you_mean
-from qvld.engine.request import MAX_CHOICES
-from qvld.engine.tools import parse_tools
+from qvld.engine.inputs.request import MAX_CHOICES
+from qvld.engine.inputs.tools import parse_tools
 from qvld.errors import BadRequest, ImageInvalid, QvlError, VideoInvalid
 
 FIELDS = frozenset({

@@ -2,7 +2,7 @@
 
 Imported only when a `model` command runs: it needs the engine (info, verify) and the
 `convert` extra (convert), which `qvlctl`'s other commands never load. The submodel
-names are the engine's (``qvld.engine.model_dir.SUBMODELS``).
+names are the engine's (``qvld.engine.model.model_dir.SUBMODELS``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from qvld.engine.model_dir import (
+from qvld.engine.model.model_dir import (
     SUBMODELS,
     ir_path,
     load_model_spec,
@@ -348,7 +348,7 @@ def weight_formats(xml: Path) -> dict[str, int]:
 def language_layout(path: Path) -> str:
     import openvino as ov
 
-    from qvld.engine.openvino import weight_layout
+    from qvld.engine.model.openvino import weight_layout
 
     layout = weight_layout(ov.Core().read_model(path / "openvino_language_model.xml"))
     return str(layout) if layout else "float"
@@ -372,7 +372,7 @@ def graph_formats(graph: Path) -> dict[str, int]:
 
 def backend_of(path: Path) -> str:
     """The backend a directory's graphs are for: OpenVINO IRs first, then ONNX graphs."""
-    from qvld.engine.model_dir import ir_path, onnx_path
+    from qvld.engine.model.model_dir import ir_path, onnx_path
 
     if not ir_path(path, "language_model").is_file() and \
             onnx_path(path, "language_model").is_file():
@@ -381,7 +381,7 @@ def backend_of(path: Path) -> str:
 
 
 def info(path: Path) -> dict[str, Any]:
-    from qvld.engine.model_dir import load_model_spec, onnx_path
+    from qvld.engine.model.model_dir import load_model_spec, onnx_path
     from qvld.errors import ModelInvalid
 
     document: dict[str, Any] = {"path": str(path)}

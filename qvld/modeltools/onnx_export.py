@@ -1,6 +1,6 @@
 """`qvlctl model export-onnx`: a Qwen3-VL checkpoint as five ONNX graphs for ONNX Runtime.
 
-The submodels and their tensors (names are the contract with ``qvld.engine.onnxruntime``):
+The submodels and their tensors (names are the contract with ``qvld.engine.model.onnxruntime``):
 
 ======================  ==========================================  ===========================
 file                    inputs                                      outputs
@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from qvld.engine.model_dir import SUBMODELS, ir_path, onnx_path
+from qvld.engine.model.model_dir import SUBMODELS, ir_path, onnx_path
 from qvld.modeltools.convert import SIDE_FILES, add_beside_ir, write_model
 
 # The ONNX opset: 20 has Gelu, so the vision MLP's tanh GELU is one op instead of nine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qvld.engine.blocks import BlockPool, NoBlocks, chain_hashes
+from qvld.engine.loop.blocks import BlockPool, NoBlocks, chain_hashes
 
 IMG = b"\x01" * 32
 

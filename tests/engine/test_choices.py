@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.request import parse_generate
+from qvld.engine.inputs.request import parse_generate
 from qvld.errors import BadRequest
 from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
 

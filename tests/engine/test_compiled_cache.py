@@ -14,8 +14,8 @@ import pytest
 
 from qvld.config import Config
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.compiled_cache import MANIFEST, cache_key
-from qvld.engine.model_dir import load_model_spec
+from qvld.engine.model.compiled_cache import MANIFEST, cache_key
+from qvld.engine.model.model_dir import load_model_spec
 from tests.conftest import parity_config
 
 REQUEST = GenerateRequest(messages=[{"role": "user", "content": "Count to five."}],
@@ -146,7 +146,7 @@ def test_a_cache_dir_owned_by_someone_else_is_not_used(tiny_dir: Path, tmp_path:
 
 
 def key_of(model: Path, **engine: object) -> str:
-    from qvld.engine.openvino import compile_properties
+    from qvld.engine.model.openvino import compile_properties
 
     config = cached(model, None)
     if engine:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.constraints import (
+from qvld.engine.decoding.constraints import (
     MAX_SCHEMA_DEPTH,
     MAX_SOURCE_BYTES,
     GrammarCompiler,
@@ -503,7 +503,7 @@ def test_a_failure_inside_qvld_while_compiling_is_internal_and_not_cached(
         compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in our own code is a 500 (logged), never the user's 400, and the format is
     compiled again next time instead of failing from the cache."""
-    from qvld.engine.constraints import Finisher
+    from qvld.engine.decoding.constraints import Finisher
     from qvld.errors import InternalError
 
     fmt = parse_response_format({"type": "json_object"})

@@ -12,8 +12,8 @@ import pytest
 
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.openvino import slice_logits_to_last_position
-from qvld.engine.request import parse_generate
+from qvld.engine.inputs.request import parse_generate
+from qvld.engine.model.openvino import slice_logits_to_last_position
 from qvld.errors import BadRequest, ModelInvalid, PromptTooLong
 from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
 

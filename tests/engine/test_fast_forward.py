@@ -20,8 +20,13 @@ import numpy as np
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.constraints import Constraint, Finisher, GrammarCompiler, parse_response_format
-from qvld.engine.tools import parse_tools
+from qvld.engine.decoding.constraints import (
+    Constraint,
+    Finisher,
+    GrammarCompiler,
+    parse_response_format,
+)
+from qvld.engine.inputs.tools import parse_tools
 from qvld.errors import BadRequest
 from tests.conftest import TINY, parity_config, wait_for
 from tests.engine.test_constraints import DATE, EOS, SYSTEM, WIRE, check_answer
@@ -244,7 +249,7 @@ def test_a_grammar_the_finisher_cannot_end_from_some_states_still_matches(
 
 def test_a_requests_finishing_searches_are_bounded_in_work(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import qvld.engine.constraints as constraints
+    import qvld.engine.decoding.constraints as constraints
 
     monkeypatch.setattr(constraints, "FINISH_WORK_PER_REQUEST", 500)
     compiler = GrammarCompiler(TINY / "tokenizer.json", 768, EOS)
@@ -272,8 +277,8 @@ def test_a_slow_machine_gets_the_same_answers(fast: Engine,
     """Closing early depends on the grammar and the tokens, never on the clock: with
     every clock reading a second after the last (a machine a thousand times slower),
     the answers that close early, and the others, are the same ids."""
-    import qvld.engine.constraints as constraints
-    import qvld.engine.generate as generate
+    import qvld.engine.decoding.constraints as constraints
+    import qvld.engine.decoding.generation as generate
 
     expected = {kind: fast.generate(request(kind, 5, max_tokens=200)).token_ids
                 for kind in ("extract", "open", "object", "receipt")}

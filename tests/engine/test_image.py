@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.image import PixelBudget, decode, prepare, smart_resize
-from qvld.engine.model_dir import load_model_spec
+from qvld.engine.inputs.image import PixelBudget, decode, prepare, smart_resize
+from qvld.engine.model.model_dir import load_model_spec
 from qvld.errors import BadRequest, ImageInvalid, ImageTooLarge
 from tests.conftest import TINY, load_reference
 
@@ -216,7 +216,7 @@ def test_cancellation_acts_between_images(tiny_dir: Path) -> None:
 def test_prepare_stops_between_images_when_told(tiny_dir: Path) -> None:
     """The prepare stage's own stop (a deadline or a client gone while large images are
     decoded): the images after it are never decoded."""
-    from qvld.engine.prompt_builder import PrepareStopped
+    from qvld.engine.inputs.prompt_builder import PrepareStopped
     from tests.conftest import parity_config
 
     engine = Engine(parity_config(tiny_dir, infer_requests=1))

@@ -20,7 +20,7 @@ import pytest
 
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.model_dir import SUBMODELS
+from qvld.engine.model.model_dir import SUBMODELS
 from qvld.errors import ModelInvalid, QvlError
 from qvld.modeltools.onnx_export import quantize_int8, save_graph
 from tests.conftest import TINY, Daemon, load_reference, with_image_bytes

@@ -11,8 +11,8 @@ import pytest
 
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.backend import release_file_pages
-from qvld.engine.openvino import (
+from qvld.engine.model.backend import release_file_pages
+from qvld.engine.model.openvino import (
     WeightLayout,
     auto_dynamic_quantization,
     auto_precision,

@@ -76,7 +76,7 @@ def test_a_shared_prefix_is_read_back_out_of_the_blocks(engine: Engine) -> None:
 
 def test_a_cancel_during_the_prefill_gives_every_block_back(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from qvld.engine import onnxruntime
+    from qvld.engine.model import onnxruntime
 
     engine = Engine(config().model_copy(update={"engine": config().engine.model_copy(
         update={"prefill_chunk": 8})}))
@@ -117,7 +117,7 @@ def test_status_shows_a_prompt_prefilled_on_onnxruntime(
         engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     # While ONNX Runtime prefills, the sequence is not in the step loop yet: status and
     # the prefilling count must still show it, with the runtime that computes it.
-    from qvld.engine import onnxruntime
+    from qvld.engine.model import onnxruntime
 
     assert engine.batch is not None
     seen: list[dict[str, Any]] = []
@@ -189,7 +189,7 @@ def test_auto_takes_int8_graphs_and_leaves_float_ones(tmp_path: Path) -> None:
     model = tmp_path / "tiny-int8"
     shutil.copytree(TINY, model)
     quantize_int8(model)
-    from qvld.engine.model_dir import onnx_weights
+    from qvld.engine.model.model_dir import onnx_weights
 
     assert onnx_weights(model / "onnx_language_model.onnx") == "int8"
     int8 = Engine(config(model, prompt_backend="auto"))
@@ -202,7 +202,7 @@ def test_auto_takes_int8_graphs_and_leaves_float_ones(tmp_path: Path) -> None:
 
 
 def test_the_weights_are_read_from_the_graph_file_without_loading_it(tmp_path: Path) -> None:
-    from qvld.engine.model_dir import onnx_weights
+    from qvld.engine.model.model_dir import onnx_weights
 
     assert onnx_weights(TINY / "onnx_language_model.onnx") == "fp32"
     assert onnx_weights(TINY / "onnx_vision_embeddings_merger_model.onnx") == "fp32"
@@ -257,7 +257,7 @@ def test_a_prompt_prefilled_elsewhere_waits_for_its_compile_without_holding_a_sl
     import json
     import threading
 
-    from qvld.engine.constraints import GrammarCompiler, parse_response_format
+    from qvld.engine.decoding.constraints import GrammarCompiler, parse_response_format
     from tests.conftest import wait_for
 
     slow = threading.Event()

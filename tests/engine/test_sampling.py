@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qvld.engine.sampling import Sampler, SamplingParams, StopStrings
+from qvld.engine.decoding.sampling import Sampler, SamplingParams, StopStrings
 
 
 def test_greedy_is_argmax_after_repetition_penalty() -> None:

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from qvld.engine.blocks import BlockPool
-from qvld.engine.generate import Prompt
-from qvld.engine.scheduler import Plan, StepScheduler
-from qvld.engine.sequence import Sequence
+from qvld.engine.decoding.generation import Prompt
+from qvld.engine.loop.blocks import BlockPool
+from qvld.engine.loop.scheduler import Plan, StepScheduler
+from qvld.engine.loop.sequence import Sequence
 
 BLOCK = 4
 ALICE, BOB, CAROL = 1, 2, 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from qvld.engine.image import PixelBudget, PreparedImage
-from qvld.engine.sessions import ID_BYTES, SessionStore, dropped
+from qvld.engine.inputs.image import PixelBudget, PreparedImage
+from qvld.engine.inputs.sessions import ID_BYTES, SessionStore, dropped
 from qvld.errors import BadRequest, Busy
 
 

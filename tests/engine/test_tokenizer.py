@@ -7,8 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qvld.engine.model_dir import find_chat_template, load_model_spec
-from qvld.engine.tokenizer import ChatTemplate, IncrementalText, TextTokenizer, expand_image_pads
+from qvld.engine.model.model_dir import find_chat_template, load_model_spec
+from qvld.engine.model.tokenizer import (
+    ChatTemplate,
+    IncrementalText,
+    TextTokenizer,
+    expand_image_pads,
+)
 from qvld.errors import BadRequest, ModelInvalid
 
 

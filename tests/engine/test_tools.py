@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.request import parse_generate
-from qvld.engine.tools import HeldText, ToolSet, _closed, parse_tools, split_calls
+from qvld.engine.inputs.request import parse_generate
+from qvld.engine.inputs.tools import HeldText, ToolSet, _closed, parse_tools, split_calls
 from qvld.errors import BadRequest
 from tests.conftest import TINY, load_reference, with_image_bytes
 

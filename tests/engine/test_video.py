@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.model_dir import VideoSpec
-from qvld.engine.prompt_builder import PrepareStopped
-from qvld.engine.video import prepare_video, sample_indices, timestamps, video_resize
+from qvld.engine.inputs.prompt_builder import PrepareStopped
+from qvld.engine.inputs.video import prepare_video, sample_indices, timestamps, video_resize
+from qvld.engine.model.model_dir import VideoSpec
 from qvld.errors import VideoInvalid
 from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from qvld.engine.request import parse_generate
+from qvld.engine.inputs.request import parse_generate
 from qvld.errors import BadRequest, Busy, ImageInvalid, QvlError, Timeout, Unavailable
 from qvld.http import openai
 

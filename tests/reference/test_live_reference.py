@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.image import prepare
-from qvld.engine.tools import parse_tools
-from qvld.engine.vision import (
+from qvld.engine.inputs.image import prepare
+from qvld.engine.inputs.tools import parse_tools
+from qvld.engine.inputs.vision import (
     position_corners,
     rotary_embedding,
     to_merge_order,

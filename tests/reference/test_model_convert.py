@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qvld.engine.model_dir import SUBMODELS
+from qvld.engine.model.model_dir import SUBMODELS
 from tests.conftest import Daemon
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]

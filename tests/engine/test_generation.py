@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qvld.engine.generate import mrope_positions
+from qvld.engine.decoding.generation import mrope_positions
 
 IMG = 99
 

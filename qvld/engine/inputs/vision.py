@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qvld.engine.image import PreparedImage
-from qvld.engine.model_dir import VisionSpec
-from qvld.engine.slots import Slot
+from qvld.engine.inputs.image import PreparedImage
+from qvld.engine.model.interface import Slot
+from qvld.engine.model.model_dir import VisionSpec
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The step scheduler: who runs in the next step, with how many rows, and on which blocks.
 
-A policy over data, owned by the step loop (``batch.BatchRunner``): every method runs on
+A policy over data, owned by the step loop (``batch.StepLoop``): every method runs on
 the step thread (other threads reach it through the loop's inbox), so it has no lock,
 starts no thread, reads no model and takes its clock as an argument; its unit tests
 (``tests/engine/test_scheduler_policy.py``) drive it with fake sequences, fake step
@@ -55,8 +55,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from qvld.engine.blocks import BlockPool
-from qvld.engine.sequence import Sequence
+from qvld.engine.loop.blocks import BlockPool
+from qvld.engine.loop.sequence import Sequence
 
 
 @dataclass

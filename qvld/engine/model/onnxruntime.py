@@ -24,8 +24,8 @@ import numpy as np
 import onnxruntime as ort
 
 from qvld.config import EngineConfig, ModelConfig
-from qvld.engine.model_dir import SUBMODELS, ModelSpec
-from qvld.engine.slots import SlotBase
+from qvld.engine.model.interface import SlotBase
+from qvld.engine.model.model_dir import SUBMODELS, ModelSpec
 from qvld.errors import ModelInvalid
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from qvld.engine.model_dir import VisionSpec
+from qvld.engine.model.model_dir import VisionSpec
 from qvld.errors import ImageInvalid, ImageTooLarge
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")

@@ -7,10 +7,10 @@ which it drains at the top of each iteration; then it asks the scheduler
 next token of every decoding sequence, then prompt chunks of those still prefilling.
 One inference over the packed rows (paged attention: each sequence reads its own
 blocks) returns the last row's logits per sequence; each is sampled with its own
-parameters, stop rules and stream (``generate.Decoding``). Cancel, deadlines and client
+parameters, stop rules and stream (``decoding.generation.Decoding``). Cancel, deadlines and client
 disconnects end a sequence at the next step and give its blocks back; an error in one
 sequence's sampling ends that one only. Imports no runtime: the model is a
-``slots.PagedModel``.
+``model.interface.PagedModel``.
 
 Sequences are data (``sequence.Sequence``): a caller hands one over with ``submit`` and
 is told the end through its ``on_done``, always called on the step thread; no thread
@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from qvld.engine.blocks import BlockPool
-from qvld.engine.scheduler import StepScheduler
-from qvld.engine.sequence import Sequence
-from qvld.engine.slots import PagedModel, RowsSlot
+from qvld.engine.loop.blocks import BlockPool
+from qvld.engine.loop.scheduler import StepScheduler
+from qvld.engine.loop.sequence import Sequence
+from qvld.engine.model.interface import PagedModel, RowsSlot
 from qvld.errors import BadRequest
 
 log = logging.getLogger("qvld.engine")
@@ -71,7 +71,7 @@ def prefill_elsewhere(slot: RowsSlot, model: PagedModel, seq: Sequence, chunk: i
     return True
 
 
-class BatchRunner:
+class StepLoop:
     """The step loop over one paged model and its block pool.
 
     One thread (``qvld-step``) owns the scheduler, the block pool's leases and every

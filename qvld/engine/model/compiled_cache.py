@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from qvld import __version__
-from qvld.engine.model_dir import SUBMODELS, ModelSpec
+from qvld.engine.model.model_dir import SUBMODELS, ModelSpec
 
 log = logging.getLogger("qvld.engine")
 

@@ -18,12 +18,39 @@ from typing import Any
 
 from qvld import protocol
 from qvld.config import EngineConfig, did_you_mean
-from qvld.engine.constraints import parse_response_format
-from qvld.engine.model_dir import GenerationDefaults
-from qvld.engine.sampling import SamplingParams
-from qvld.engine.tools import MAX_TOOLS, parse_tools
-from qvld.engine.types import GenerateRequest
+from qvld.engine.decoding.constraints import ResponseFormat, parse_response_format
+from qvld.engine.decoding.sampling import SamplingParams
+from qvld.engine.inputs.tools import MAX_TOOLS, ToolSet, parse_tools
+from qvld.engine.model.model_dir import GenerationDefaults
 from qvld.errors import BadRequest
+
+
+@dataclass
+class GenerateRequest:
+    """One generation. ``None`` means: take the model's generation_config / engine default."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_image_tokens: int | None = None
+    session: str | None = None  # continue (or start) this conversation
+    response_format: ResponseFormat | None = None  # what the answer must match
+    # Each generated token's log-probability and this many alternatives (0..20); None: off.
+    logprobs: int | None = None
+    min_p: float | None = None
+    tools: ToolSet | None = None  # the tools it may call, and how
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs
+    n: int = 1  # answers to the prompt (choices), each sampled on its own
+
+
 
 GENERATE_PARAMS = frozenset({
     "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",

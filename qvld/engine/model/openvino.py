@@ -23,9 +23,9 @@ import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
 from qvld.config import EngineConfig, ModelConfig
-from qvld.engine.compiled_cache import cache_key, open_model_cache
-from qvld.engine.model_dir import LANGUAGE_SUBMODELS, SUBMODELS, ModelSpec
-from qvld.engine.slots import SlotBase
+from qvld.engine.model.compiled_cache import cache_key, open_model_cache
+from qvld.engine.model.interface import SlotBase
+from qvld.engine.model.model_dir import LANGUAGE_SUBMODELS, SUBMODELS, ModelSpec
 from qvld.errors import ModelInvalid
 
 log = logging.getLogger("qvld.engine")

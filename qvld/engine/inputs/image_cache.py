@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from qvld.engine.vision import ImageEmbedding
+from qvld.engine.inputs.vision import ImageEmbedding
 
 # (owner, image digest): the owner is the uid whose requests may reuse the entry, or
 # None when caches are shared by everyone (engine.share_caches).

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qvld.engine.image import PreparedImage
-from qvld.engine.tokenizer import TextTokenizer
+from qvld.engine.inputs.image import PreparedImage
+from qvld.engine.model.tokenizer import TextTokenizer
 from qvld.errors import BadRequest, Busy
 
 SessionKey = tuple[int, str]  # (uid, session id)

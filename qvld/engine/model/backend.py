@@ -3,7 +3,7 @@
 A backend loads the five submodels of a model directory (``Models``) and hands out
 ``Slot``s: everything one generation runs on, its KV cache included. Everything above
 (images, prompts, positions, sampling, caches, sessions) is shared and talks only to these
-two protocols (in ``slots``). ``openvino`` (stateful KV cache inside infer requests) and
+two protocols (in ``interface``). ``openvino`` (stateful KV cache inside infer requests) and
 ``onnxruntime`` (KV cache as explicit tensors bound to the session's inputs and outputs)
 implement them; each runtime is imported only by its own module, and only here.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from qvld.config import EngineConfig, ModelConfig
-from qvld.engine.model_dir import VISION_SUBMODELS, ModelSpec, onnx_path, onnx_weights
-from qvld.engine.slots import Models, Slot
+from qvld.engine.model.interface import Models, Slot
+from qvld.engine.model.model_dir import VISION_SUBMODELS, ModelSpec, onnx_path, onnx_weights
 from qvld.errors import ModelInvalid
 
 
@@ -29,7 +29,7 @@ def load_models(spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineConfi
     if model_cfg.backend == "onnxruntime":
         session_models: Models = _session_models()(spec, model_cfg, engine_cfg)
         return session_models
-    from qvld.engine.openvino import CompiledModels
+    from qvld.engine.model.openvino import CompiledModels
 
     prompt = _prompt_models(spec, model_cfg, engine_cfg)
     if prompt is None:
@@ -85,7 +85,7 @@ def _prompt_models(spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineCo
 
 def _session_models() -> Any:
     try:
-        from qvld.engine.onnxruntime import SessionModels
+        from qvld.engine.model.onnxruntime import SessionModels
     except ImportError as exc:
         raise ModelInvalid("onnxruntime is not installed (model.backend or "
                            "model.prompt_backend names it): pip install "

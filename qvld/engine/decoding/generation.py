@@ -5,15 +5,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from qvld.engine.constraints import Constraint
-from qvld.engine.sampling import Sampler, StopStrings
-from qvld.engine.slots import Slot
-from qvld.engine.tokenizer import IncrementalText, TextTokenizer
-from qvld.engine.types import FinishReason, TokenCallback
+from qvld.engine.decoding.constraints import Constraint
+from qvld.engine.decoding.sampling import Sampler, StopStrings
+from qvld.engine.model.interface import Slot
+from qvld.engine.model.tokenizer import IncrementalText, TextTokenizer
+
+# "tool_calls": the answer is calls of the request's tools (it stopped after them).
+FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
+
+# on_token(text_delta, new_token_ids): called as text becomes final (never mid-character,
+# never a possible stop-string prefix). A request that asks for logprobs calls it with a
+# third argument, the entries of those ids (``logprobs=``).
+TokenCallback = Callable[..., None]
 
 
 def mrope_positions(length: int, images: Sequence[tuple[int, int, int]]

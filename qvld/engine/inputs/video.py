@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from qvld.engine.image import MAX_ASPECT_RATIO, PixelBudget, PreparedImage
-from qvld.engine.model_dir import VideoSpec, VisionSpec
+from qvld.engine.inputs.image import MAX_ASPECT_RATIO, PixelBudget, PreparedImage
+from qvld.engine.model.model_dir import VideoSpec, VisionSpec
 from qvld.errors import VideoInvalid
 
 # Frames a clip may have (decoded up to its last sampled frame): 2 hours at 60 fps.
@@ -261,7 +261,7 @@ def prepare_frames(pictures: list[bytes], vision: VisionSpec, spec: VideoSpec,
                    should_stop: Callable[[], bool]) -> PreparedVideo:
     """A clip given as its frames (pictures, already sampled: taken as ``spec.fps``
     apart); more than the budget allows are thinned evenly."""
-    from qvld.engine.image import decode
+    from qvld.engine.inputs.image import decode
 
     if not pictures:
         raise VideoInvalid("a video's frames list is empty")

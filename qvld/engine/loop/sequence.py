@@ -3,7 +3,7 @@
 A ``Sequence`` is made once its prompt is embedded (images encoded, prompt rows looked
 up), holding the KV blocks of its cached prefix (``Lease``). The scheduler
 (``scheduler.StepScheduler``) admits it, gives it blocks, plans its rows each step and
-may preempt it; the step loop (``batch.BatchRunner``) feeds its rows and samples its
+may preempt it; the step loop (``batch.StepLoop``) feeds its rows and samples its
 tokens through its ``Decoding``; when it ends, ``on_done`` is called once, on the step
 thread, with ``outcome`` or ``error`` set.
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qvld.engine.blocks import Lease, RowKey
-from qvld.engine.generate import Decoding, Outcome, Prompt
+from qvld.engine.decoding.generation import Decoding, Outcome, Prompt
+from qvld.engine.loop.blocks import Lease, RowKey
 
 
 @dataclass(eq=False)  # an identity: kept in lists and queues, compared by who it is
@@ -53,7 +53,7 @@ class Sequence:
     admitted: float | None = None  # first admitted to the running set
     preemptions: int = 0
     # Its prompt's last logits, kept while its response format still compiles: the
-    # first token is chosen from them when the compile ends (``BatchRunner``).
+    # first token is chosen from them when the compile ends (``StepLoop``).
     logits: np.ndarray | None = None
     outcome: Outcome | None = None
     error: BaseException | None = None

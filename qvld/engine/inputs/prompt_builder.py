@@ -19,16 +19,16 @@ from typing import Any
 
 import numpy as np
 
-from qvld.engine.generate import Prompt, mrope_positions, never
-from qvld.engine.image import PixelBudget, PreparedImage, image_digest, prepare
-from qvld.engine.image_cache import ImageCache
-from qvld.engine.model_dir import ModelSpec
-from qvld.engine.request import CheckedRequest
-from qvld.engine.sessions import dropped
-from qvld.engine.slots import Slot
-from qvld.engine.tokenizer import ChatTemplate, TextTokenizer, expand_visual_pads
-from qvld.engine.video import PreparedVideo, VideoStopped, prepare_frames, prepare_video
-from qvld.engine.vision import ImageEmbedding, encode_image
+from qvld.engine.decoding.generation import Prompt, mrope_positions, never
+from qvld.engine.inputs.image import PixelBudget, PreparedImage, image_digest, prepare
+from qvld.engine.inputs.image_cache import ImageCache
+from qvld.engine.inputs.request import CheckedRequest
+from qvld.engine.inputs.sessions import dropped
+from qvld.engine.inputs.video import PreparedVideo, VideoStopped, prepare_frames, prepare_video
+from qvld.engine.inputs.vision import ImageEmbedding, encode_image
+from qvld.engine.model.interface import Slot
+from qvld.engine.model.model_dir import ModelSpec
+from qvld.engine.model.tokenizer import ChatTemplate, TextTokenizer, expand_visual_pads
 from qvld.errors import BadRequest, PromptTooLong
 
 # Qwen's vision tokens, as its chat template writes them.
