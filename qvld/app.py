@@ -168,7 +168,8 @@ class App:
 
     def _load_engine(self, config: Config) -> Engine:
         t0 = time.perf_counter()
-        engine = Engine(config)
+        engine = Engine(config, on_step=self.metrics.observe_step,
+                        on_prefill=self.metrics.observe_prefill)
         log.info("model %s compiled in %.1f s (%s)", engine.spec.path, engine.load_s,
                  ", ".join(f"{k}={v}" for k, v in engine.models.runtime_properties.items()))
         if config.model.warmup:
@@ -177,8 +178,6 @@ class App:
         ready_s = time.perf_counter() - t0
         log.info("model ready in %.1f s", ready_s)
         if engine.batch is not None:
-            engine.batch.on_step = self.metrics.observe_step
-            engine.batch.on_prefill = self.metrics.observe_prefill
             self.metrics.prefill_tokens.labels(engine.prompt_runtime)  # 0 until it runs
         name, version = engine.runtime
         self.metrics.set_model(__version__, name, version, engine.spec.name,

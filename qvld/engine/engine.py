@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -56,6 +56,7 @@ from qvld.engine.inputs.vision import ImageEmbedding, encode_image
 from qvld.engine.loop.blocks import BlockPool
 from qvld.engine.loop.step_loop import StepLoop
 from qvld.engine.model.backend import SlotPool, load_models, release_file_pages
+from qvld.engine.model.interface import RowsSlot
 from qvld.engine.model.model_dir import ModelSpec, load_model_spec
 from qvld.engine.model.tokenizer import ChatTemplate, TextTokenizer
 from qvld.engine.runners import Generation, LoopRunner, Ran, RunJob, Runner, SlotRunner
@@ -117,7 +118,12 @@ def warmup_image(size: int = 448) -> bytes:
 
 
 class Engine:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *,
+                 on_step: Callable[[int, int], None] | None = None,
+                 on_prefill: Callable[[str, int], None] | None = None) -> None:
+        """Load and compile ``config.model``. ``on_step(sequences, prefill_rows)`` is
+        called after every step of the step loop, ``on_prefill(runtime, rows)`` whenever
+        a runtime computed prompt rows (both on the step thread; not during ``warmup``)."""
         if config.model.path is None:
             raise ModelInvalid("model.path is not set")
         self.config = config
@@ -142,12 +148,19 @@ class Engine:
         if self.models.paged:
             self.blocks = self._block_pool(config)
             paged = self.models.new_paged(self.blocks.num_blocks)
+            prompt = self.models.prompt
+            # A slot of the prompt runtime's own for prefills (its slots load and read
+            # out rows); its rows can go only into an f16 or f32 paged cache.
+            prompt_slot = (cast(RowsSlot, prompt.new_slot())
+                           if prompt is not None and paged.rows_accessible else None)
             self.batch = StepLoop(paged, self.blocks,
-                                     max_sequences=config.engine.max_sequences,
-                                     max_batch_tokens=config.engine.max_batch_tokens,
-                                     chunk=config.engine.prefill_chunk,
-                                     runtime=self.models.runtime)
-            if self.models.prompt is not None and not paged.rows_accessible:
+                                  max_sequences=config.engine.max_sequences,
+                                  max_batch_tokens=config.engine.max_batch_tokens,
+                                  chunk=config.engine.prefill_chunk,
+                                  on_step=on_step, on_prefill=on_prefill,
+                                  runtime=self.models.runtime, prompt_slot=prompt_slot,
+                                  prompt_runtime=prompt.runtime if prompt else "")
+            if prompt is not None and not paged.rows_accessible:
                 log.warning("model.kv_cache_precision %s: prompts are prefilled by "
                             "OpenVINO (ONNX Runtime's rows go only into an f16 or f32 "
                             "cache); images are still encoded by ONNX Runtime",
@@ -176,8 +189,7 @@ class Engine:
         self.runner: Runner = (
             SlotRunner(self.pool, self.prompts, config.engine.prefill_chunk)
             if self.batch is None else
-            LoopRunner(self.pool, self.prompts, self.batch, self.workers, self.max_context,
-                       self.prompt_runtime))
+            LoopRunner(self.pool, self.prompts, self.batch, self.max_context))
         self.load_s = time.perf_counter() - t0
 
     def _block_pool(self, config: Config) -> BlockPool:
@@ -351,6 +363,8 @@ class Engine:
                     if slot.prompt_slot is not None]
         if self.batch is not None:
             started.append(self.batch.busy_since)
+            if self.batch.prefills is not None:
+                started.append(self.batch.prefills.busy_since)
         return any(t is not None and now - t > bound_s for t in started)
 
     def kv_bytes(self, tokens: int) -> int:
@@ -679,11 +693,19 @@ class Engine:
             max_tokens=2, temperature=0.0)
         uid = os.getuid()  # the daemon's own caches
         prepared = self.prepare(request, uid)
+        observers = None
+        if self.batch is not None:  # a warm-up is not served work: not observed
+            observers = self.batch.on_step, self.batch.on_prefill
+            self.batch.on_step = self.batch.on_prefill = None
         with self.pool.acquire() as slot:
             for image in prepared.images:
                 encode_image(slot, image, self.spec.vision)
         release_file_pages(self.models.weight_files)
-        self.run(prepared)
+        try:
+            self.run(prepared)
+        finally:
+            if self.batch is not None and observers is not None:
+                self.batch.on_step, self.batch.on_prefill = observers
         release_file_pages(self.models.weight_files)
         for image in prepared.images:  # nobody will ask about it again
             self.images.discard((self.cache_owner(uid), image.digest))

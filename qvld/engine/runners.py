@@ -13,8 +13,9 @@ calls ``start`` again).
 - ``LoopRunner`` (continuous batching): the prompt's cached prefix held, its images
   encoded and rows embedded on the slot, then the ``Sequence`` handed to the step loop
   (``loop.step_loop.StepLoop``); ``done`` is called later, on the step thread. A prompt
-  prefilled by another runtime (``model.prompt_backend``) goes back to a slot worker
-  once admitted.
+  prefilled by another runtime (``model.prompt_backend``) is prefilled once admitted
+  by the loop's ``PromptPrefills`` (a thread and slot of its own), not by a slot
+  worker.
 """
 
 from __future__ import annotations
@@ -32,12 +33,11 @@ from qvld.engine.decoding.generation import Decoding, Outcome, Prompt, never, ru
 from qvld.engine.inputs.prompt_builder import PromptBuilder, prompt_keys
 from qvld.engine.inputs.sessions import TurnInputs
 from qvld.engine.loop.sequence import Sequence
-from qvld.engine.loop.step_loop import StepLoop, prefill_elsewhere
+from qvld.engine.loop.step_loop import StepLoop
 from qvld.engine.model.backend import SlotPool, common_prefix
 from qvld.engine.model.interface import Slot
 from qvld.engine.types import GenerateResult
-from qvld.engine.workers import SlotWorkers, Work
-from qvld.errors import Unavailable
+from qvld.engine.workers import Work
 
 # The prompt as fed, the outcome, and when vision and generation started.
 Ran = tuple[Prompt, Outcome, float, float]
@@ -128,17 +128,12 @@ class SlotRunner:
 
 class LoopRunner:
     def __init__(self, pool: SlotPool, prompts: PromptBuilder, batch: StepLoop,
-                 workers: SlotWorkers, max_context: int, prompt_runtime: str) -> None:
+                 max_context: int) -> None:
         self.pool = pool
         self.prompts = prompts
         self.batch = batch
         self.blocks = batch.pool
-        self.workers = workers
         self.max_context = max_context
-        self.prompt_runtime = prompt_runtime
-        self._prefilling = threading.Lock()  # model.prompt_backend: one at a time
-        batch.prefill_outside = self._prefill_outside
-        batch.outside_runtime = prompt_runtime
 
     def start(self, job: RunJob) -> None:
         ids, decoding = job.inputs.ids, job.decoding
@@ -158,14 +153,13 @@ class LoopRunner:
                 if visual.any():
                     rows_of = np.cumsum(prompt.visual_mask)[cached:][visual] - 1
                     embeds[visual] = prompt.visual_embeds[rows_of]
-                outside = slot.prompt_slot is not None and self.batch.model.rows_accessible
         except BaseException:
             self.blocks.release(lease)
             raise
         seq = Sequence(prompt=prompt, embeds=embeds, lease=lease, owner=job.owner,
                        decoding=decoding, uid=job.gen.uid,
                        max_rows=min(len(ids) + job.max_tokens, self.max_context),
-                       prefill_outside=outside)
+                       prefill_outside=self.batch.prefills is not None)
         t_generate = seq.t0
 
         def on_done(seq: Sequence) -> None:
@@ -184,25 +178,3 @@ class LoopRunner:
         except BaseException:
             self.blocks.release(lease)
             raise
-
-    def _prefill_outside(self, seq: Sequence) -> None:
-        """The step loop admitted ``seq``, to be prefilled by the prompt runtime (one at
-        a time: each runs on every core) beside the steps; queued for a slot worker."""
-        batch = self.batch
-
-        def run() -> None:
-            fed, error = False, None
-            try:
-                with self._prefilling, self.pool.acquire() as slot:
-                    assert slot.prompt_slot is not None
-                    fed = prefill_elsewhere(slot.prompt_slot, batch.model, seq, batch.chunk)
-            except Exception as exc:
-                error = exc
-            batch.joined(seq, fed, self.prompt_runtime, error)
-
-        try:
-            self.workers.submit(Work(uid=seq.uid, run=run, should_stop=never,
-                                     on_drop=lambda: batch.joined(seq, False,
-                                                                  self.prompt_runtime)))
-        except Unavailable as exc:  # shutting down: this one ends, the steps go on
-            batch.joined(seq, False, self.prompt_runtime, exc)

@@ -113,6 +113,54 @@ def test_the_watchdog_sees_a_prefill_on_the_prompt_slot(engine: Engine) -> None:
         slot.prompt_slot.busy_since = None
 
 
+def test_the_watchdog_sees_a_prefill_on_the_loops_prompt_slot(engine: Engine) -> None:
+    assert engine.batch is not None and engine.batch.prefills is not None
+    slot = engine.batch.prefills.slot
+    assert all(slot is not s.prompt_slot for s in engine.pool.slots)  # its own
+    assert not engine.infer_stuck(60)
+    slot.busy_since = time.monotonic() - 120
+    try:
+        assert engine.infer_stuck(60)
+    finally:
+        slot.busy_since = None
+
+
+def test_an_admitted_prompt_is_prefilled_while_every_slot_worker_is_busy(
+        engine: Engine) -> None:
+    """Once admitted, a prompt's ONNX Runtime prefill does not wait for a slot: with
+    every slot held (other users' image encodes), it is prefilled and answered."""
+    import threading
+
+    from tests.conftest import wait_for
+
+    case = CASES["image_photo"]
+    held, free = threading.Event(), threading.Event()
+
+    def hold_every_slot() -> None:
+        with engine.pool.acquire(), engine.pool.acquire():
+            held.set()
+            free.wait(60)
+
+    batch = engine.batch
+    assert batch is not None and len(engine.pool.slots) == 2
+    batch.hold()  # admitted only once every slot is taken
+    try:
+        gen = engine.submit(engine.prepare(GenerateRequest(
+            messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
+            max_tokens=case["max_new_tokens"])))
+        wait_for(lambda: batch.queued() == (0, 1), 60, "its prompt encoded, waiting")
+        holder = threading.Thread(target=hold_every_slot)
+        holder.start()
+        assert held.wait(30)
+    finally:
+        batch.release()
+    try:
+        assert gen.future.result(60).token_ids == case["token_ids"]
+    finally:
+        free.set()
+        holder.join()
+
+
 def test_status_shows_a_prompt_prefilled_on_onnxruntime(
         engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     # While ONNX Runtime prefills, the sequence is not in the step loop yet: status and

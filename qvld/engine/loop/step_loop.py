@@ -16,8 +16,8 @@ Sequences are data (``sequence.Sequence``): a caller hands one over with ``submi
 is told the end through its ``on_done``, always called on the step thread; no thread
 waits per sequence. Images are encoded and prompt rows embedded before (``Engine``, on a
 slot worker); a prompt prefilled by another runtime (``model.prompt_backend``) is handed
-to ``prefill_outside`` once admitted (the sequence is then ``outside``: the loop does
-not touch it) and comes back through ``joined``.
+to ``prompt_prefill.PromptPrefills`` once admitted (the sequence is then ``outside``:
+the loop does not touch it) and comes back through ``joined``.
 """
 
 from __future__ import annotations
@@ -34,41 +34,13 @@ from typing import Any
 import numpy as np
 
 from qvld.engine.loop.blocks import BlockPool
+from qvld.engine.loop.prompt_prefill import PromptPrefills
 from qvld.engine.loop.scheduler import StepScheduler
 from qvld.engine.loop.sequence import Sequence
 from qvld.engine.model.interface import PagedModel, RowsSlot
 from qvld.errors import BadRequest
 
 log = logging.getLogger("qvld.engine")
-
-
-def prefill_elsewhere(slot: RowsSlot, model: PagedModel, seq: Sequence, chunk: int) -> bool:
-    """Feed ``seq``'s prompt rows on ``slot`` (another runtime: model.prompt_backend),
-    starting from its shared prefix read out of the paged cache; take its first token
-    from the last row's logits, then copy the new rows into its own blocks (after the
-    token went out: the copy is not in the time to it). False when it should stop."""
-    start = seq.fed
-    slot.load_rows(model.read_rows(seq.lease.blocks, start))
-    try:
-        logits = None
-        while seq.prefilling:
-            if seq.decoding.should_stop():
-                return False
-            embeds, positions, mask, deepstack = seq.rows(
-                min(chunk, len(seq.keys) - seq.fed), model.embed)
-            logits = slot.step(embeds, positions, mask, slot.no_deepstack()
-                               if deepstack is None else deepstack)
-            seq.fed += len(embeds)
-        assert logits is not None, "a lease always leaves the last prompt row to feed"
-        seq.t_prefill = time.perf_counter()
-        if seq.awaits_format:  # the step loop chooses the token when the compile ends
-            seq.logits = np.array(logits)
-        else:
-            seq.take(seq.decoding.accept(logits))
-        model.write_rows(seq.lease.blocks, start, slot.rows_from(start))
-    finally:
-        slot.reset()
-    return True
 
 
 class StepLoop:
@@ -86,7 +58,9 @@ class StepLoop:
     def __init__(self, model: PagedModel, pool: BlockPool, *, max_sequences: int,
                  max_batch_tokens: int, chunk: int,
                  on_step: Callable[[int, int], None] | None = None,
-                 runtime: str = "openvino") -> None:
+                 on_prefill: Callable[[str, int], None] | None = None,
+                 runtime: str = "openvino", prompt_slot: RowsSlot | None = None,
+                 prompt_runtime: str = "onnxruntime") -> None:
         self.model = model
         self.runtime = runtime  # the paged model's, for status and metrics
         self.pool = pool
@@ -95,12 +69,14 @@ class StepLoop:
         self.chunk = chunk  # rows of one prompt per step at most
         self.on_step = on_step  # (sequences, prefill rows) after every step
         # (runtime, prompt rows) whenever a runtime computed prompt rows: the step's, or
-        # another's (prefill_outside).
-        self.on_prefill: Callable[[str, int], None] | None = None
-        # Runs an admitted sequence's prefill on another runtime (model.prompt_backend):
-        # set by the engine, which owns the slots; it calls ``joined`` when done.
-        self.prefill_outside: Callable[[Sequence], None] | None = None
-        self.outside_runtime = runtime
+        # the prompt runtime's.
+        self.on_prefill = on_prefill
+        # Admitted sequences' prompts prefilled on another runtime (model.prompt_backend),
+        # on a thread and a slot of their own; None: the steps prefill every prompt.
+        self.prefills = None if prompt_slot is None else PromptPrefills(
+            prompt_slot, model, chunk, prompt_runtime,
+            lambda seq, fed, error: self.joined(seq, fed, prompt_runtime, error))
+        self.outside_runtime = prompt_runtime if prompt_slot is not None else runtime
         self._cond = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._held = False  # steps held (``hold``): the inbox is still drained
@@ -311,10 +287,10 @@ class StepLoop:
             seq.decoding.cancel()
             self._end(seq)
         for seq in plan.admitted:
-            if (seq.prefill_outside and not seq.preemptions and seq not in plan.preempted
-                    and self.prefill_outside is not None):
+            if (self.prefills is not None and seq.prefill_outside and not seq.preemptions
+                    and seq not in plan.preempted):
                 seq.outside = True
-                self.prefill_outside(seq)
+                self.prefills.submit(seq)
         rows = [(seq, n) for seq, n in plan.rows if not seq.outside]
         if not rows:  # a change may let the next step feed; else wait for a message
             return bool(plan.stopped or plan.admitted or plan.preempted)
