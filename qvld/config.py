@@ -207,10 +207,11 @@ class ServerConfig(_Section):
     max_pending_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     # Requests one connection may have in flight at once (more: busy).
     max_requests_per_connection: int = Field(16, ge=1)
-    # Generations waiting for a slot or a place in the step loop; more are busy.
+    # Generations waiting for a slot or a place in the step loop; more are busy for a
+    # user past its fair share of them (fairqueue.within_share).
     queue_max: int = Field(32, ge=0)
     # Requests waiting for their images to be decoded and their text tokenised (the
-    # prepare stage's threads); more are busy.
+    # prepare stage's threads); more are busy likewise.
     prepare_queue_max: int = Field(32, ge=0)
     request_timeout_s: float = Field(300, gt=0, le=MAX_SECONDS)
     drain_timeout_s: float = Field(30, ge=0, le=MAX_SECONDS)

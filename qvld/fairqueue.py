@@ -29,6 +29,11 @@ class FairQueue(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         return (item for queue in self._by_uid.values() for item in queue)
 
+    def count(self, uid: int) -> int:
+        """Items waiting for ``uid``."""
+        queue = self._by_uid.get(uid)
+        return 0 if queue is None else len(queue)
+
     def uids(self) -> list[int]:
         """The uids with waiting items, in rotation order."""
         return list(self._by_uid)
@@ -62,6 +67,19 @@ class FairQueue(Generic[T]):
         items = list(self)
         self._by_uid.clear()
         return items
+
+
+def within_share(*, total: int, held: int, others: int, asked: int, capacity: int) -> bool:
+    """Whether a user holding ``held`` of a queue's ``total`` entries, beside ``others``
+    other users holding some, may add ``asked`` more (``n`` choices count each) to a
+    queue of ``capacity``: anyone may while there is room; when it is full, a user
+    within its fair share (``capacity`` split between the users holding entries, the
+    asker included) still may. So one user filling the queue makes only itself busy,
+    never the others. The total can pass ``capacity`` only by shares taken as users
+    arrive: at most ``capacity`` x (1 + 1/2 + ... + 1/users) in all."""
+    if total + asked <= capacity:
+        return True
+    return held + asked <= capacity // (others + 1)
 
 
 def settle_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T],

@@ -8,7 +8,9 @@ decoding) do not hold every thread when another user's small request arrives. An
 whose client left or whose
 deadline passed while it waited is dropped without running (its waiter is answered at
 once); one already running stops between images (the engine polls ``should_stop``). At
-most ``queue_max`` items (plus one per thread) wait; more are ``busy``.
+most ``queue_max`` items (plus one per thread) wait; more are ``busy``, but only for a
+user holding its fair share of them (``fairqueue.within_share``): one user's flood never
+makes another user busy.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from qvld.config import Config
 from qvld.errors import Busy, Timeout, Unavailable
-from qvld.fairqueue import FairQueue, settle_threadsafe
+from qvld.fairqueue import FairQueue, settle_threadsafe, within_share
 
 
 class PrepareCancelled(Exception):
@@ -73,9 +75,14 @@ class PrepareStage:
         with self._lock:
             if self._closed:
                 raise Unavailable("the daemon is shutting down")
-            # Up to queue_max wait beyond what the threads are about to take.
-            if len(self._waiting) >= self.queue_max + len(self._threads):
-                raise Busy("too many requests are waiting to be prepared; retry shortly")
+            # Up to queue_max wait beyond what the threads are about to take, each
+            # user's share kept for it (a flooding user is the only one made busy).
+            held = self._waiting.count(uid)
+            others = sum(1 for u in self._waiting.uids() if u != uid)
+            if not within_share(total=len(self._waiting), held=held, others=others,
+                                asked=1, capacity=self.queue_max + len(self._threads)):
+                raise Busy("too many requests are waiting to be prepared, this user's "
+                           f"share ({held}) among them; retry shortly")
             self._waiting.push(uid, ticket)
             self._lock.notify()
         return ticket

@@ -133,3 +133,38 @@ def test_a_short_request_beside_another_users_long_ones(daemon: HttpDaemon) -> N
     # place it freed instead (admission prefers the user holding fewest), no preemption.
     assert status["preemptions"] >= 1
     assert all(r["usage"]["completion_tokens"] == 512 for _, r in alice)  # type: ignore[index]
+
+
+def test_a_user_filling_the_queue_gets_429_and_another_is_served(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two places and two waiting: alice sends 12 long generations at once and gets 429
+    for those past the queue; bob, beside them, is served every time (#46: one user's
+    flood made another's requests 60/60 busy)."""
+    workdir = tmp_path_factory.mktemp("queue-share")
+    keys = workdir / "keys"
+    keys.write_text(f"alice:{hash_key(ALICE)}\nbob:{hash_key(BOB)}\n")
+    keys.chmod(0o600)
+    small = HttpDaemon(workdir, args=["--set", f"http.api_keys_file={keys}",
+                                      "--set", "engine.max_sequences=2",
+                                      "--set", "server.queue_max=2"]).start()
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 512, "temperature": 0, "ignore_eos": True}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            flood = [pool.submit(chat, small, ALICE, body) for _ in range(12)]
+            wait_for(lambda: sum(f.done() for f in flood) >= 8, 60,
+                     "alice's requests past the queue to be refused")
+            bobs = [chat(small, BOB, {**body, "max_tokens": 8}) for _ in range(3)]
+            alice_running = sum(not f.done() for f in flood)
+            alice = [f.result() for f in flood]
+    finally:
+        small.stop()
+    statuses = sorted(status for status, _, _ in alice)
+    print(f"alice's 12 at once: {statuses.count(200)} answered, {statuses.count(429)} x 429; "
+          f"bob's 3 beside them: {[s for s, _, _ in bobs]} in "
+          f"{', '.join(f'{t:.2f}' for _, t, _ in bobs)} s")
+    assert [status for status, _, _ in bobs] == [200, 200, 200]
+    assert alice_running >= 1  # bob was served beside alice's, not after them
+    assert statuses.count(429) >= 8 and set(statuses) == {200, 429}
+    refused = next(reply for status, _, reply in alice if status == 429)
+    assert "share" in refused["error"]["message"]

@@ -105,7 +105,11 @@ def test_busy_beyond_the_queue_and_close_ends_the_waiting() -> None:
         stage.submit(0, slow, far)
         await until(lambda: stage.waiting == 0)  # taken by the worker: no longer waiting
         waiting = [stage.submit(1, lambda: None, far) for _ in range(2)]
-        with pytest.raises(Busy):
+        with pytest.raises(Busy):  # uid 1 filled the queue
+            stage.submit(1, lambda: None, far)
+        # uid 2, holding none, gets its share (1 of 2) of the full queue; not more.
+        waiting.append(stage.submit(2, lambda: None, far))
+        with pytest.raises(Busy, match="share"):
             stage.submit(2, lambda: None, far)
         stage.close()
         for ticket in waiting:

@@ -7,8 +7,9 @@ Who owns what, in the order a request meets them:
   tokens, decoded images (``prompts.PromptBuilder``, ``image``); a response format's
   compile started (``constraints.GrammarCompiler``, its own fair threads).
 - ``submit``: bounds the waiting generations (``server.queue_max`` beyond the free
-  places) and hands the work to a slot worker (``workers.SlotWorkers``, one thread per
-  ``engine.infer_requests`` slot, fair between uids).
+  places, each user's share kept for it) and hands the work to a slot worker
+  (``workers.SlotWorkers``, one thread per ``engine.infer_requests`` slot, fair
+  between uids).
 - On the slot worker (``_start``): a session turn begun (``sessions.SessionStore``;
   its history joined, or started afresh when it cannot be rebuilt), then the runner
   (``runners``): the whole generation on the slot (``SlotRunner``: no continuous
@@ -24,6 +25,7 @@ Who owns what, in the order a request meets them:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -70,6 +72,7 @@ from qvld.engine.types import (
 )
 from qvld.engine.workers import SlotWorkers, Work
 from qvld.errors import Busy, ModelInvalid, PromptTooLong
+from qvld.fairqueue import within_share
 
 log = logging.getLogger("qvld.engine")
 
@@ -377,7 +380,8 @@ class Engine:
                should_stop: Callable[[], bool] = never) -> Generation:
         """Start a prepared request; its ``future`` gets the result (or the typed error).
 
-        Busy when ``server.queue_max`` generations wait already. ``should_stop`` is
+        Busy when ``server.queue_max`` generations wait already and this user holds its
+        share of them (``fairqueue.within_share``). ``should_stop`` is
         polled between images, prefill chunks and decode steps; True ends the
         generation as cancelled (so does ``cancel``)."""
         return self.submit_choices(prepared, [on_token], should_stop)[0]
@@ -397,11 +401,14 @@ class Engine:
         # caller hears of it), not from the step loop's last published view: a client
         # that sends its next request as soon as its last one answered is not busy.
         with self._lock:
-            in_flight = len(self._generations)
+            users = collections.Counter(gen.uid for gen in self._generations)
+        held = users.pop(prepared.uid, 0)
         places = (self.batch.max_sequences if self.batch is not None
                   else self.workers.workers)
-        if in_flight + len(gens) > places + self.queue_max:
-            raise Busy(f"the queue is full ({self.queue_max} waiting); retry shortly")
+        if not within_share(total=held + sum(users.values()), held=held, others=len(users),
+                            asked=len(gens), capacity=places + self.queue_max):
+            raise Busy(f"the queue is full ({self.queue_max} waiting) and this user holds "
+                       f"its share ({held} generations); retry shortly")
         rest = [(gen, self._choice(prepared, i), on_token)
                 for i, (gen, on_token) in enumerate(zip(gens, on_tokens, strict=True)) if i]
         started = threading.Event()

@@ -113,7 +113,7 @@ def test_the_queue_bound_and_a_request_larger_than_the_kv_cache() -> None:
     running = submit(engine, ask(300), ALICE)
     waiting = submit(engine, ask(300), ALICE)
     with pytest.raises(Busy, match="queue is full"):
-        submit(engine, ask(4), BOB)
+        submit(engine, ask(4), ALICE)
     engine.cancel(waiting)
     engine.cancel(running)
     for gen in (running, waiting):
@@ -152,6 +152,29 @@ def test_a_client_that_asks_again_as_soon_as_answered_is_not_busy(
         submit(engine, ask(4), BOB)
     engine.cancel(running)
     assert running.future.result(10).finish_reason == "cancelled"
+
+
+def test_a_user_filling_the_queue_makes_only_itself_busy() -> None:
+    """One place and one waiting room: alice fills both, then is busy; bob, holding
+    none, still gets his share (one of the two), and his second is busy; an ``n``
+    request counts each choice (#46: one user's flood made every other user busy)."""
+    config = parity_config(TINY, infer_requests=1, max_sequences=1)
+    engine = Engine(config.model_copy(update={
+        "server": config.server.model_copy(update={"queue_max": 1})}))
+    alices = [submit(engine, ask(400), ALICE) for _ in range(2)]
+    with pytest.raises(Busy, match="share"):
+        submit(engine, ask(4), ALICE)
+    bob = submit(engine, ask(4), BOB)
+    with pytest.raises(Busy, match="share"):
+        submit(engine, ask(4), BOB)
+    carol = 1003
+    with pytest.raises(Busy, match="share"):  # three users: a share of 3 // 3 = 1
+        engine.submit_choices(engine.prepare(ask(4, n=2), carol), [None, None])
+    for gen in alices:
+        engine.cancel(gen)
+    assert bob.future.result(60).usage.completion_tokens == 4
+    for gen in alices:
+        assert gen.future.result(30).finish_reason == "cancelled"
 
 
 def test_eight_long_budgets_run_at_once_in_a_cache_sized_for_two() -> None:
