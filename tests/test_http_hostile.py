@@ -125,6 +125,45 @@ def test_a_refused_body_that_never_ends_is_cut_off(daemon: HttpDaemon) -> None:
     still_serving(daemon)
 
 
+def gzip_bomb(inflated: int) -> bytes:
+    """``inflated`` bytes of JSON whitespace, gzip'd to about a thousandth of that."""
+    import zlib
+
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # 31: a gzip header and trailer
+    block = b" " * (1 << 20)
+    return b"".join([*(packer.compress(block) for _ in range(inflated // len(block))),
+                     packer.flush()])
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "GZIP, identity"])
+def test_a_compressed_body_is_refused_before_it_is_read(daemon: HttpDaemon,
+                                                        encoding: str) -> None:
+    """415 naming the encoding, whatever the body: nothing is inflated, so no bound can be
+    passed (a 64 KiB body that inflates to 64 MiB, here; the limit is 1 MiB)."""
+    bomb = gzip_bomb(64 << 20)
+    assert len(bomb) < 128 << 10
+    t0 = time.monotonic()
+    reply = raw(daemon, post(bomb, f"Content-Encoding: {encoding}\r\n"))
+    assert time.monotonic() - t0 < 5
+    assert status_of(reply) == 415, reply[:300]
+    error = error_of(reply)
+    assert error["code"] == "bad_request" and encoding.split(",")[0] in error["message"]
+    assert error["type"] == "invalid_request_error"
+    still_serving(daemon)
+
+
+def test_a_chunked_compressed_body_and_identity(daemon: HttpDaemon) -> None:
+    bomb = gzip_bomb(8 << 20)
+    chunked = b"%x\r\n" % len(bomb) + bomb + b"\r\n0\r\n\r\n"
+    reply = raw(daemon, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Connection: close\r\nContent-Encoding: gzip\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n" + chunked)
+    assert status_of(reply) == 415
+    # Identity is no encoding: served.
+    reply = raw(daemon, post(json.dumps(HI).encode(), "Content-Encoding: identity\r\n"))
+    assert status_of(reply) == 200, reply[:300]
+
+
 def test_a_chunked_body_past_the_limit_gets_413(daemon: HttpDaemon) -> None:
     chunk = b"x" * 65536
     body = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(40)) + b"0\r\n\r\n"

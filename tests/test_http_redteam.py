@@ -225,3 +225,29 @@ def test_keyless_connections_churning_leave_a_keyed_client_served(
           f"{served} of 10 served, slowest {max(seconds):.2f} s")
     assert served >= 9
 
+
+
+def test_compressed_bodies_are_refused_unread(daemon: HttpDaemon) -> None:
+    """Round 4: 510 KB of gzip announced with its compressed Content-Length inflated to
+    512 MiB past every body bound (+1.5 GiB RSS, 15.5 s). Now 415 before a byte is read:
+    eight such bodies at once, as sent by a user who would be refused anyway."""
+    from tests.test_http_hostile import gzip_bomb
+
+    bomb = gzip_bomb(512 * MiB)
+    assert len(bomb) < 600 << 10
+
+    def send() -> tuple[int, float]:
+        t0 = time.monotonic()
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=60) as conn:
+            conn.sendall(head(len(bomb), "Content-Encoding: gzip\r\n"
+                              "Authorization: Bearer not-a-key\r\n") + bomb)
+            reply = conn.recv(4096)
+        return status_of(reply), time.monotonic() - t0
+
+    with Watch(daemon) as watch, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: send(), range(8)))
+    watch.report("8 x 510 KB gzip bodies (512 MiB inflated each)",
+                 f"{[s for s, _ in results]} in {max(t for _, t in results):.2f} s")
+    assert [status for status, _ in results] == [415] * 8
+    assert watch.peak_mib < 100 and watch.worst_s < 1.0
+    still_serving(daemon)

@@ -15,6 +15,9 @@
   socket's ``protocol.check_shape`` does for msgpack. Strings may be as long as the body
   (an image data URL is one). Bodies past ``INLINE_BYTES`` are walked and decoded on a
   thread of the HTTP front's own, never on the event loop.
+- **Sent as is.** A compressed body (``Content-Encoding`` gzip, deflate, br...) is a
+  415 before it is read: every bound above counts bytes as they arrive, and inflating
+  multiplies them (510 KB of gzip inflated to 512 MiB).
 - **Text.** The body must be UTF-8 (strictly: no encoded surrogates) and no string in it
   may hold a lone surrogate (``"\\ud800"``, which JSON's escapes allow and nothing
   downstream can encode): both are a 400.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Mapping
 from concurrent.futures import Executor
 from typing import Any
 
@@ -56,6 +60,25 @@ class BodyTooLarge(FrameTooLarge):
 class BodyStalled(QvlError):
     code = "bad_request"
     http_status = 408
+
+
+class EncodedBody(QvlError):
+    """A body sent compressed (``Content-Encoding`` other than identity): refused with 415
+    before a byte of it is read. Inflating would let 0.5 MB on the wire become 512 MiB in
+    memory past every bound above, which count bytes as sent (aiohttp's own inflating is
+    off: the HTTP front's runner sets ``auto_decompress=False``)."""
+
+    code = "bad_request"
+    http_status = 415
+
+
+def check_content_encoding(headers: Mapping[str, str]) -> None:
+    """EncodedBody unless the request's body, if any, is sent as is."""
+    encoding = headers.get("Content-Encoding", "")
+    codings = [c.strip().lower() for c in encoding.split(",") if c.strip()]
+    if any(c != "identity" for c in codings):
+        raise EncodedBody(f"Content-Encoding {encoding.strip()!r} is not accepted: send "
+                          "the body uncompressed (Content-Encoding: identity, or none)")
 
 
 class Overloaded(Busy):

@@ -57,7 +57,7 @@ from qvld.errors import (
 )
 from qvld.handlers import DaemonState
 from qvld.http import openai, webui
-from qvld.http.body import BodyReader
+from qvld.http.body import BodyReader, check_content_encoding
 from qvld.http.fetch import ImageFetcher, normalize_host_pattern
 from qvld.http.identity import is_loopback, tcp_peer_uid, user_groups
 from qvld.http.keys import ApiKeys, KeyFileError, UserIds, parse_bearer
@@ -309,6 +309,8 @@ class HttpFront:
             # A refused body's rest is read and dropped for up to this long, so that a
             # client still sending reads the refusal instead of a reset.
             max_headers=64, lingering_time=self.config.read_timeout_s,
+            # Bodies are never inflated (compressed ones are refused: body.py).
+            auto_decompress=False,
             logger=_WireLog(log, {}))
         await self._runner.setup()
         if sock is None:
@@ -406,6 +408,7 @@ class HttpFront:
         request["fields"] = {}
         outcome = "ok"
         try:
+            check_content_encoding(request.headers)  # before anything reads the body
             response = await handler(request)
             outcome = request.get("outcome", "ok")
             return response
