@@ -234,3 +234,50 @@ def test_call_arguments_take_only_declared_properties_unless_said() -> None:
     assert props["kind"]["enum"] == [{"type": "object"}]  # data is left alone
     assert closed["$defs"]["point"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the client's schema is not changed
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["step-loop", "slot"])
+def test_every_sampled_call_ends_the_seed_that_stalled_included(batching: bool) -> None:
+    """#46: with seed 9 this request chose no token after its call closed at the budget
+    (the answer's end known from before its last run was empty) and held its place until
+    the deadline (504 after 300 s). Each seed must end, and soon."""
+    from tests.conftest import parity_config
+
+    engine = Engine(parity_config(TINY, continuous_batching=batching))
+    ended = []
+    for seed in (0, 1, 9):
+        request, _ = parse_generate({
+            "messages": [{"role": "user", "content": "add 2 and 3"}],
+            "tools": [ADD], "tool_choice": "required", "max_tokens": 64,
+            "temperature": 1.0, "seed": seed})
+        result = engine.submit(engine.prepare(request)).future.result(20)
+        ended.append((seed, result.finish_reason, result.usage.completion_tokens))
+    assert all(reason in ("length", "tool_calls") for _, reason, _ in ended), ended
+    assert all(tokens <= 64 for _, _, tokens in ended)
+
+
+def test_a_sequence_that_cannot_advance_ends_with_an_internal_error(
+        tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step loop's guard: a decoding that returns nothing to feed without ending (a
+    bug) ends its sequence at once with a typed internal error, never a silent hold."""
+    import time
+
+    from qvld.engine.decoding.generation import Decoding
+    from qvld.errors import InternalError
+
+    assert tiny_engine.batch is not None  # the guard is the step loop's
+    monkeypatch.setattr(Decoding, "accept", lambda self, logits: [])
+    t0 = time.monotonic()
+    gen = tiny_engine.submit(tiny_engine.prepare(GenerateRequest(messages=QUESTION,
+                                                                 max_tokens=8)))
+    with pytest.raises(InternalError, match="chose no token"):
+        gen.future.result(20)
+    assert time.monotonic() - t0 < 10
+    monkeypatch.undo()
+    assert tiny_engine.generate(GenerateRequest(messages=QUESTION, max_tokens=3)
+                                ).usage.completion_tokens == 3

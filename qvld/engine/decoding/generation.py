@@ -268,6 +268,10 @@ class Decoding:
                 self.finish = "length"
             if self.finish is not None:
                 break
+        if self.finish is None and complete and not tokens:
+            # Ended from before a run that no ending fit after, with nothing left to
+            # add: the answer is complete as it stands (it was closed at the budget).
+            self.finish = "length" if self.closed else "stop"
         if self.finish is None and self.should_stop():
             self.finish = "cancelled"
         if self.finish is not None:

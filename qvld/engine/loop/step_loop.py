@@ -38,7 +38,7 @@ from qvld.engine.loop.prompt_prefill import PromptPrefills
 from qvld.engine.loop.scheduler import StepScheduler
 from qvld.engine.loop.sequence import Sequence
 from qvld.engine.model.interface import PagedModel, RowsSlot
-from qvld.errors import BadRequest
+from qvld.errors import BadRequest, InternalError
 
 log = logging.getLogger("qvld.engine")
 
@@ -348,7 +348,14 @@ class StepLoop:
         """``seq``'s next token(s) from ``logits``; ended when a stop rule fired."""
         try:
             seq.take(seq.decoding.accept(logits))
+            if seq.decoding.finish is None and seq.token is None and not seq.prefilling:
+                # Nothing to feed and not ended: it would hold its place and blocks,
+                # never stepped again, until its deadline. A bug; end it loudly.
+                raise InternalError("the generation chose no token and did not end "
+                                    f"(after {seq.generated} tokens)")
         except Exception as exc:  # this sequence's sampling or streaming only
+            if isinstance(exc, InternalError):
+                log.error("sequence of uid %d ended: %s", seq.uid, exc)
             self.scheduler.finish(seq)
             self._end(seq, exc)
             return
