@@ -346,6 +346,10 @@ class HttpConfig(_Section):
     # Browser origins (scheme://host[:port]) whose pages may call the API (CORS): their
     # preflights are answered and responses to them name them; empty: no CORS headers.
     cors_allow_origins: list[str] = Field(default_factory=list)
+    # Without api_keys_file: the Host names the listener answers to besides localhost,
+    # loopback addresses and its own listen address (a name /etc/hosts or a local proxy
+    # gives it). Any other Host gets 421: a DNS-rebound page reads nothing.
+    allowed_hosts: list[str] = Field(default_factory=list)
     # The built-in web page at / (ask about an image from a browser; it uses the API
     # above, with a key when api_keys_file is set). false: / is a 404.
     web_ui: bool = True
@@ -371,6 +375,15 @@ class HttpConfig(_Section):
                 raise ValueError(f"{origin!r} is not an origin: scheme://host[:port], "
                                  "no path (e.g. http://localhost:3000)")
         return origins
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, hosts: list[str]) -> list[str]:
+        for host in hosts:
+            if not re.fullmatch(r"[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]", host):
+                raise ValueError(f"{host!r} is not a host name (no scheme, port, path or "
+                                 "wildcard: e.g. qvld.lan)")
+        return hosts
 
     @field_validator("listen")
     @classmethod

@@ -44,6 +44,8 @@ class HttpDaemon(Daemon):
     def request(self, method: str, path: str, body: bytes | None = None,
                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        if body is not None:  # what every HTTP client of a JSON API sends
+            headers = {"Content-Type": "application/json", **(headers or {})}
         try:
             conn.request(method, path, body=body, headers=headers or {})
             response = conn.getresponse()
@@ -231,7 +233,8 @@ def test_a_disconnect_while_waiting_for_a_whole_answer_frees_the_slot(
                        "max_tokens": 500, "ignore_eos": True}).encode()
     cancelled = daemon.log().count("op=generate outcome=cancelled")
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         daemon.wait_queue(1, 0)
     daemon.wait_queue(0, 0)  # closed: cancelled within a step, not run to 500 tokens

@@ -87,9 +87,11 @@ def test_cors_answers_the_listed_origin_only(daemon: HttpDaemon) -> None:
     status, headers, _ = daemon.request("GET", "/v1/models", headers={"Origin": ORIGIN})
     assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN
     assert "Origin" in headers["Vary"]
-    status, headers, _ = daemon.request("GET", "/v1/models",
-                                        headers={"Origin": "http://evil.test"})
-    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    status, headers, body = daemon.request("GET", "/v1/models",
+                                           headers={"Origin": "http://evil.test"})
+    # Keyless: another origin's page is refused outright (it would act as its visitor).
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
+    assert body["error"]["code"] == "forbidden"
     status, headers, body = daemon.request(  # an error is readable by the page too
         "POST", "/v1/chat/completions", b"{}",
         {"Origin": ORIGIN, "Content-Type": "application/json"})

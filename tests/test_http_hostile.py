@@ -58,7 +58,7 @@ def raw(daemon: HttpDaemon, data: bytes, timeout: float = 10) -> bytes:
 
 
 def post(body: bytes, headers: str = "") -> bytes:
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
             b"Content-Type: application/json\r\n" + headers.encode()
             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
 
@@ -100,7 +100,8 @@ def test_an_announced_huge_body_gets_413_and_the_client_reads_it(daemon: HttpDae
     so a client that goes on sending the whole body reads the answer, not a reset."""
     announced = 100 * 1024 * 1024
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % announced)
         block = b"{" * 65536
         for _ in range(announced // len(block)):
@@ -115,7 +116,8 @@ def test_an_announced_huge_body_gets_413_and_the_client_reads_it(daemon: HttpDae
 def test_a_refused_body_that_never_ends_is_cut_off(daemon: HttpDaemon) -> None:
     """Dropping a refused body's rest lasts at most http.read_timeout_s."""
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
                      b"Content-Length: 1000000000000\r\n\r\n")
         t0 = time.monotonic()
         with pytest.raises((ConnectionError, BrokenPipeError)):
@@ -155,7 +157,8 @@ def test_a_compressed_body_is_refused_before_it_is_read(daemon: HttpDaemon,
 def test_a_chunked_compressed_body_and_identity(daemon: HttpDaemon) -> None:
     bomb = gzip_bomb(8 << 20)
     chunked = b"%x\r\n" % len(bomb) + bomb + b"\r\n0\r\n\r\n"
-    reply = raw(daemon, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    reply = raw(daemon, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
                 b"Connection: close\r\nContent-Encoding: gzip\r\n"
                 b"Transfer-Encoding: chunked\r\n\r\n" + chunked)
     assert status_of(reply) == 415
@@ -168,7 +171,8 @@ def test_a_chunked_body_past_the_limit_gets_413(daemon: HttpDaemon) -> None:
     chunk = b"x" * 65536
     body = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(40)) + b"0\r\n\r\n"
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
         with contextlib.suppress(ConnectionError):  # closed as soon as the limit passed
             conn.sendall(body)
@@ -181,8 +185,9 @@ def test_slowloris_head_and_body_are_cut_off_in_bounded_time(daemon: HttpDaemon)
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as head, \
             socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as body:
         t0 = time.monotonic()
-        head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: a")
-        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"messages\":")
         assert head.recv(65536) == b""  # closed, nothing answered
         assert time.monotonic() - t0 < READ_TIMEOUT_S + 3

@@ -35,7 +35,7 @@ def nested_empty_arrays(size: int) -> bytes:
 
 
 def head(length: int, extra: str = "") -> bytes:
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: qvld\r\nConnection: close\r\n"
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
             f"Content-Type: application/json\r\n{extra}Content-Length: {length}\r\n\r\n"
             ).encode()
 

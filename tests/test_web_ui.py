@@ -218,3 +218,60 @@ def test_a_key_is_asked_for_and_kept_for_the_tab(browser: Any, tmp_path: Path) -
     finally:
         tab.close()
         d.stop()
+
+
+def test_a_page_on_another_origin_cannot_act_as_its_visitor(daemon: HttpDaemon,
+                                                           browser: Any) -> None:
+    """#46: a page from another origin ran generations as its visitor with a no-cors
+    fetch of text/plain and a plain form post, neither needing a CORS preflight. Served
+    from another port here (another origin), in Chromium: both reach the daemon and are
+    refused (403), and no generation runs; the daemon's own page still answers."""
+    import http.server
+    import threading
+    import time
+
+    api = f"http://127.0.0.1:{daemon.port}/v1/chat/completions"
+    ask = '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}'
+    evil = f"""<!doctype html><body>
+<form id=f method=POST action="{api}" enctype="text/plain" target=sink>
+<input name='{ask[:-1]}, "x": "' value='"}}'></form><iframe name=sink></iframe>
+<script>
+fetch("{api}", {{method: "POST", mode: "no-cors", body: '{ask}'}})
+  .finally(() => document.getElementById("f").submit());
+</script></body>""".encode()
+
+    class Evil(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(evil)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Evil)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    before = daemon.log()
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.goto(f"http://127.0.0.1:{server.server_address[1]}/")
+        deadline = time.monotonic() + 30
+        while daemon.log()[len(before):].count("op=generate") < 2:
+            assert time.monotonic() < deadline, daemon.log()[len(before):]
+            page.wait_for_timeout(100)
+    finally:
+        context.close()
+        server.shutdown()
+    lines = [line for line in daemon.log()[len(before):].splitlines() if "op=generate" in line]
+    assert len(lines) == 2 and all("outcome=forbidden" in line for line in lines), lines
+    from playwright.sync_api import expect
+
+    tab = Page(browser, daemon)  # the visitor's own page is still theirs
+    try:
+        tab.ask("Hello?")
+        expect(tab.page.locator(LIVE)).to_contain_text("first token", timeout=60_000)
+        assert tab.errors == []
+    finally:
+        tab.close()

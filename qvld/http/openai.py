@@ -80,6 +80,7 @@ STATUS = {"bad_request": 400, "unsupported_version": 400, "image_invalid": 400,
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
          413: "invalid_request_error", 415: "invalid_request_error",
+         421: "invalid_request_error",
          429: "rate_limit_error", 500: "server_error", 503: "unavailable_error",
          504: "timeout_error"}
 

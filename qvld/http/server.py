@@ -56,7 +56,7 @@ from qvld.errors import (
     Unavailable,
 )
 from qvld.handlers import DaemonState
-from qvld.http import openai, webui
+from qvld.http import openai, sitecheck, webui
 from qvld.http.body import BodyReader, check_content_encoding
 from qvld.http.fetch import ImageFetcher, normalize_host_pattern
 from qvld.http.identity import is_loopback, tcp_peer_uid, user_groups
@@ -358,6 +358,20 @@ class HttpFront:
         return f"http+unix:{name}"
 
     @property
+    def _tcp(self) -> bool:
+        return self._listener is not None and self._listener.family != socket.AF_UNIX
+
+    @property
+    def _listen_names(self) -> list[str]:
+        """The address the TCP listener is bound to, as a Host header would name it (none
+        for a wildcard address: every interface's name would be a guess)."""
+        if not self._tcp:
+            return []
+        assert self._listener is not None
+        host = str(self._listener.getsockname()[0])
+        return [] if host in ("0.0.0.0", "::") else [host]
+
+    @property
     def port(self) -> int:
         assert self._listener is not None
         return int(self._listener.getsockname()[1])
@@ -409,6 +423,10 @@ class HttpFront:
         outcome = "ok"
         try:
             check_content_encoding(request.headers)  # before anything reads the body
+            if self.keys is None:  # a web page must not act as its visitor
+                sitecheck.check(request.method, request.headers, tcp=self._tcp,
+                                own_names=[*self._listen_names, *self.config.allowed_hosts],
+                                cors_allow_origins=self.config.cors_allow_origins)
             response = await handler(request)
             outcome = request.get("outcome", "ok")
             return response
