@@ -82,29 +82,35 @@ class Peer:
 
     @classmethod
     def of(cls, sock: socket.socket) -> Peer:
+        """The peer as the kernel recorded it when it connected: uid, gid and pid from
+        SO_PEERCRED, supplementary groups from SO_PEERGROUPS. Never from /proc/PID read
+        later: by then the pid may name another process (pid reuse), and an unallowed
+        uid borrowed an allowed one's groups that way."""
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, uid, gid = struct.unpack("3i", creds)
-        groups = _process_groups(pid)
+        groups = _peer_groups(sock)
         if groups is None:
             groups = _user_groups(uid, gid)
         return cls(pid, uid, gid, frozenset({gid}) | groups)
 
 
-def _process_groups(pid: int) -> frozenset[int] | None:
-    """Supplementary groups of the peer process, from /proc (authoritative); None when
-    /proc does not show other users' processes (ProtectProc=invisible in the unit)."""
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; Python names it 3.13+
+_GROUPS_BUFFER = 1024  # the most Python's getsockopt reads: 256 groups
+
+
+def _peer_groups(sock: socket.socket) -> frozenset[int] | None:
+    """The peer's supplementary groups as of its connect() (SO_PEERGROUPS); None when the
+    kernel does not say (an older kernel, or more than 256 groups)."""
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Groups:"):
-                    return frozenset(int(g) for g in line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return None
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _GROUPS_BUFFER)
+    except OSError:
+        return None
+    count = len(raw) // 4
+    return frozenset(struct.unpack(f"{count}I", raw[:count * 4]))
 
 
 def _user_groups(uid: int, gid: int) -> frozenset[int]:
-    """The groups the user database gives ``uid`` (the fallback to /proc)."""
+    """The groups the user database gives ``uid`` (when the kernel does not say)."""
     try:
         return frozenset(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
     except (KeyError, OSError):

@@ -106,3 +106,34 @@ def test_status_and_config_show_a_non_admin_only_their_own(shared_dir: Path) -> 
         assert config["engine"] == admin_config["engine"]  # limits stay visible
     finally:
         assert daemon.stop() == 0
+
+
+def test_a_peers_groups_are_those_it_connected_with_not_procs_later(shared_dir: Path
+                                                                   ) -> None:
+    """#46: groups were read from /proc/PID at the connection's first request; with the
+    pid reused an unallowed uid borrowed an allowed user's groups. SO_PEERGROUPS gives
+    the groups of the connect(): still right after the peer process is gone (a group
+    the user database does not give uid 65534, here), whatever runs under its pid now."""
+    import shutil
+    import socket
+    import subprocess
+
+    from qvld.server import Peer
+
+    path = shared_dir / "s"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    path.chmod(0o777)
+    listener.listen(1)
+    borrowed = 4242  # in no group list of the user database
+    child = subprocess.run(
+        [shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3", "-c",
+         "import socket, sys; s = socket.socket(socket.AF_UNIX); "
+         "s.connect(sys.argv[1]); s.send(b'x')", str(path)],
+        user=NOBODY, group=NOBODY, extra_groups=[borrowed], capture_output=True, timeout=60,
+        cwd="/")
+    assert child.returncode == 0, child.stderr
+    conn, _ = listener.accept()
+    with conn, listener:
+        peer = Peer.of(conn)  # the child has exited: /proc/PID is gone or someone else
+    assert peer.uid == NOBODY and borrowed in peer.groups
