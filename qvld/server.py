@@ -185,8 +185,9 @@ class PendingBytes:
     """Bytes of frames announced but not yet received, in all and per uid.
 
     A frame is received into memory whole; without this bound every connection could
-    park a max-size half-frame (256 x 32 MiB).
-    """
+    park a max-size half-frame (256 x 32 MiB). A user holding nothing may also take from
+    a headroom past ``total`` (an eighth of it), so that others filling the bound never
+    refuse a user who holds none of it."""
 
     def __init__(self, total: int, per_uid: int) -> None:
         self.total = total
@@ -196,7 +197,8 @@ class PendingBytes:
 
     def reserve(self, uid: int, n: int) -> bool:
         mine = self._by_uid.get(uid, 0)
-        if self.held + n > self.total or mine + n > self.per_uid:
+        room = self.total + (self.total // 8 if not mine else 0)
+        if self.held + n > room or mine + n > self.per_uid:
             return False
         self.held += n
         self._by_uid[uid] = mine + n

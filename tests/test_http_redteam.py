@@ -251,3 +251,36 @@ def test_compressed_bodies_are_refused_unread(daemon: HttpDaemon) -> None:
     assert [status for status, _ in results] == [415] * 8
     assert watch.peak_mib < 100 and watch.worst_s < 1.0
     still_serving(daemon)
+
+
+def test_request_heads_alone_hold_no_share_of_the_body_budget(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Round 4: two users each announcing a 32 MiB body and sending nothing held the
+    default http.max_pending_bytes (64 MiB) whole: a third user got 0/136 answers (503)
+    over 70 s. Bytes are reserved as they arrive now: the third is served."""
+    workdir = tmp_path_factory.mktemp("heads")
+    keys_file = workdir / "keys"
+    keys_file.write_text("".join(f"user{i}:{hash_key(k)}\n" for i, k in enumerate(KEYS)))
+    keys_file.chmod(0o600)
+    d = HttpDaemon(workdir, args=["--set", f"http.api_keys_file={keys_file}"]).start()
+    heads = []
+    try:
+        for key in KEYS[:2]:  # each announces a whole body and sends nothing more
+            for _ in range(4):
+                conn = socket.create_connection(("127.0.0.1", d.port), timeout=30)
+                conn.sendall(head(BODY_LIMIT, f"Authorization: Bearer {key}\r\n"))
+                heads.append(conn)
+        statuses = []
+        t0 = time.monotonic()
+        for _ in range(20):
+            status, _, _ = d.request("POST", "/v1/chat/completions", HI,
+                                        {"Authorization": f"Bearer {KEYS[2]}"})
+            statuses.append(status)
+        took = time.monotonic() - t0
+        print(f"8 heads announcing 32 MiB each (two users): a third user's 20 requests "
+              f"{statuses.count(200)} x 200 in {took:.1f} s")
+        assert statuses == [200] * 20
+    finally:
+        for conn in heads:
+            conn.close()
+        d.stop()
