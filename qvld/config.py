@@ -371,9 +371,10 @@ class HttpConfig(_Section):
             if origin == "*":
                 raise ValueError("'*' would let any web page use the API with a visitor's "
                                  "local identity; list the origins")
-            if not re.fullmatch(r"https?://[^/\s?#]+", origin):
+            if not re.fullmatch(r"https?://[^/\s?#*]+", origin):
                 raise ValueError(f"{origin!r} is not an origin: scheme://host[:port], "
-                                 "no path (e.g. http://localhost:3000)")
+                                 "no path and no wildcard, which a browser's Origin never "
+                                 "matches (e.g. http://localhost:3000)")
         return origins
 
     @field_validator("allowed_hosts")

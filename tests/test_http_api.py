@@ -104,6 +104,8 @@ def test_a_wildcard_origin_is_refused_at_load(daemon: HttpDaemon) -> None:
 
     with pytest.raises(ConfigError, match="list the origins"):
         load_config(None, ['http.cors_allow_origins=["*"]'])
+    with pytest.raises(ConfigError, match="no wildcard"):  # it could never match
+        load_config(None, ['http.cors_allow_origins=["http://*.example"]'])
 
 
 def png_declaring(width: int, height: int) -> bytes:

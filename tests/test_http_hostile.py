@@ -78,6 +78,8 @@ def error_of(reply: bytes) -> dict[str, str]:
     (b"[" + b"[1]," * 70_000 + b"[1]]", "bad_request"),
     (b"[" * 100_000 + b"]" * 100_000, "bad_request"),
     (json.dumps({**HI, "unknown_field": 1}).encode(), "bad_request"),
+    (b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, '
+     b'"max_tokens": 3}', "bad_request"),  # a key twice: which one counts?
     (json.dumps({**HI, "max_tokens": 10**12}).encode(), "bad_request"),
     (json.dumps({**HI, "temperature": 1e400}).encode().replace(b"Infinity", b"1e400"),
      "bad_request"),

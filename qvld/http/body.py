@@ -177,6 +177,23 @@ def _no_lone_surrogates(value: Any) -> None:
                                      "pairs make a character)") from None
 
 
+class DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all distinct: a repeated key would silently keep its
+    last value (one reader of the body seeing another request than another does)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(f"the key {key!r} appears twice in one object")
+            seen.add(key)
+    return out
+
+
 def decode_json(data: bytes | bytearray | memoryview) -> Any:
     """A request body -> its JSON value, or ``bad_request`` (see the module docstring).
     The walk comes first: a refused body is never copied into a str."""
@@ -187,7 +204,7 @@ def decode_json(data: bytes | bytearray | memoryview) -> Any:
         raise BadRequest(f"the request body is not valid UTF-8 ({exc.reason} at byte "
                          f"{exc.start})") from None
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     _no_lone_surrogates(value)

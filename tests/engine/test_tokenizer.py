@@ -163,3 +163,22 @@ def test_model_spec_reads_ids_and_limits(tiny_dir: Path) -> None:
     assert tok.token_id("<|im_end|>") in spec.generation.eos_token_ids
     assert spec.vision.patch_size == 16 and spec.vision.deepstack_layers == 2
     assert spec.vision.max_pixels == 256 * 32 * 32
+
+
+@pytest.mark.parametrize("name", ["namespace", "range", "raise_exception", "dict"])
+def test_template_variables_cannot_shadow_what_the_template_calls(name: str) -> None:
+    """#46: chat_template_kwargs naming a template global (``namespace``) made the
+    template crash: a 500 with a traceback. Refused when parsed, as a 400."""
+    from qvld.engine.inputs.request import parse_generate
+
+    with pytest.raises(BadRequest, match=f"cannot set '{name}'"):
+        parse_generate({"messages": [{"role": "user", "content": "Hi"}],
+                        "chat_template_kwargs": {name: "x"}})
+
+
+def test_a_template_that_crashes_on_a_requests_values_is_a_bad_request() -> None:
+    template = ChatTemplate("{{ messages[0]['content'] }}{{ depth + 1 }}")
+    assert template.render([{"role": "user", "content": "Hi"}], variables={"depth": 1}) \
+        == "Hi2"
+    with pytest.raises(BadRequest, match="TypeError"):
+        template.render([{"role": "user", "content": "Hi"}], variables={"depth": "deep"})

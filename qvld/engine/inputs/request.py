@@ -22,6 +22,7 @@ from qvld.engine.decoding.constraints import ResponseFormat, parse_response_form
 from qvld.engine.decoding.sampling import SamplingParams
 from qvld.engine.inputs.tools import MAX_TOOLS, ToolSet, parse_tools
 from qvld.engine.model.model_dir import GenerationDefaults
+from qvld.engine.model.tokenizer import TEMPLATE_GLOBALS
 from qvld.errors import BadRequest
 
 
@@ -62,7 +63,8 @@ MAX_CHOICES = 16  # n: answers to one prompt
 MAX_TOP_LOGPROBS = 20
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # What a request's chat_template_kwargs may not set: what the engine passes itself.
-TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                               *TEMPLATE_GLOBALS})
 MAX_TEMPLATE_KWARGS_BYTES = 4096
 
 
@@ -135,7 +137,7 @@ def _template_kwargs(value: Any) -> dict[str, Any] | None:
     taken = sorted(k for k in value if k in TEMPLATE_RESERVED or k.endswith("_token"))
     if taken:
         raise BadRequest(f"chat_template_kwargs cannot set {taken[0]!r} (the server "
-                         "passes it to the template itself)")
+                         "passes it to the template itself, or the template calls it)")
     try:
         size = len(json.dumps(value, allow_nan=False))
     except (ValueError, TypeError):

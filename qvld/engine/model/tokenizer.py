@@ -46,6 +46,12 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
+# Names the template's code calls (jinja2's own globals and ours): a request's
+# variables may not shadow them (``namespace`` as a string made the template crash).
+TEMPLATE_GLOBALS = frozenset({*jinja2.defaults.DEFAULT_NAMESPACE, "raise_exception",
+                              "strftime_now"})
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
         env = ImmutableSandboxedEnvironment(
@@ -79,6 +85,12 @@ class ChatTemplate:
             })
         except jinja2.TemplateError as exc:
             raise BadRequest(f"the chat template refused the messages: {exc}") from exc
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError,
+                ArithmeticError) as exc:
+            # What a request's variables or messages made the template's own code do
+            # (a string where it adds numbers, say): the request's fault, said so.
+            raise BadRequest(f"the chat template could not render this request: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
 class TextTokenizer:
