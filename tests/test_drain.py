@@ -57,6 +57,7 @@ def metric(daemon: HttpDaemon, name: str) -> float:
                 if line.startswith(name + " "))
 
 
+@pytest.mark.slow  # long: the default tier stays under 5 minutes
 def test_a_drained_daemon_finishes_its_work_takes_no_new_and_resumes(
         daemon: HttpDaemon) -> None:
     thread, result, _ = start_long(daemon)
@@ -103,6 +104,7 @@ def test_drain_waits_for_the_admitted_work(daemon: HttpDaemon) -> None:
     assert run_qvlctl(daemon.socket, "resume").returncode == 0
 
 
+@pytest.mark.slow  # long: the default tier stays under 5 minutes
 def test_a_drain_that_outlasts_its_wait_exits_6_and_stays_drained(daemon: HttpDaemon) -> None:
     thread, _, _ = start_long(daemon)
     out = run_qvlctl(daemon.socket, "drain", "--wait-timeout", "0")

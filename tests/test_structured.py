@@ -370,6 +370,7 @@ def test_forced_tokens_are_counted_everywhere_and_a_cut_answer_still_parses(
     assert text == answer.choices[0].message.content
 
 
+@pytest.mark.slow  # long: the default tier stays under 5 minutes
 def test_two_hundred_answers_all_validate(daemon: HttpDaemon) -> None:
     """≥ 200 requests from 4 clients at once (so batched with each other): every format,
     streamed and not, greedy and sampled, with and without an image (~10 s here)."""

@@ -519,3 +519,45 @@ def test_a_failure_inside_qvld_while_compiling_is_internal_and_not_cached(
     constraint = compiler.start(fmt, 30)
     constraint.wait()
     assert constraint.shortest and compiler.compiles == 2
+
+
+AMBIGUOUS = 'start: "0" | e "0"\ne: e e | e e e | /[a-z]/\n'
+
+
+def test_a_grammar_too_costly_to_follow_is_ended_and_then_refused(engine: Engine) -> None:
+    """#46: an ambiguous grammar re-walks a growing Earley chart at every token: it held
+    the shared step loop for 191 s and another user's 64 tokens took 48.6 s. Its matcher
+    work is bounded (CPU seconds on the step thread); past it the answer ends with a 400,
+    the same format is refused at once from then on, and the other user is answered."""
+    ambiguous = parse_response_format({"type": "grammar", "grammar": AMBIGUOUS})
+    t0 = time.monotonic()
+    gen = engine.submit(engine.prepare(GenerateRequest(
+        messages=[{"role": "user", "content": "Hi"}], max_tokens=400, temperature=1.0,
+        seed=1, response_format=ambiguous), uid=1001))
+    other = engine.submit(engine.prepare(GenerateRequest(
+        messages=[{"role": "user", "content": "Hello"}], max_tokens=64, ignore_eos=True,
+        temperature=0.0), uid=1002))
+    with pytest.raises(BadRequest, match="beyond what the grammar engine can follow"):
+        gen.future.result(120)
+    took = time.monotonic() - t0
+    assert other.future.result(60).usage.completion_tokens == 64
+    print(f"an ambiguous grammar's answer ended after {took:.1f} s")
+    with pytest.raises(BadRequest, match="gave up"):  # the same format, refused at once
+        engine.generate(GenerateRequest(messages=[{"role": "user", "content": "Hi"}],
+                                        max_tokens=8, response_format=ambiguous))
+
+
+def test_a_compile_whose_every_step_is_costly_ends_in_bounded_time(
+        compiler: GrammarCompiler) -> None:
+    """#46: the search for a grammar's shortest answer ran ~199 s on a compile thread
+    for ``start: a "z"`` / ``a: a a | "x" | "qN"``, refusing other users' schemas and
+    holding a shutdown. It is bounded in time now (the answer is just not known)."""
+    from qvld.engine.decoding.constraints import START_FINISH_SECONDS
+
+    costly = parse_response_format({"type": "grammar",
+                                    "grammar": 'start: a "z"\na: a a | "x" | "qN"\n'})
+    assert costly is not None
+    t0 = time.monotonic()
+    compiled = compiler.compile(costly)[0].result(60)
+    assert time.monotonic() - t0 < START_FINISH_SECONDS + 20
+    assert compiled.error is None and compiled.matcher is not None

@@ -308,6 +308,7 @@ class FakeClock:
         return getattr(self._time, name)
 
 
+@pytest.mark.slow  # long: the default tier stays under 5 minutes
 def test_a_preempted_generation_with_forced_rows_resumes_to_the_same_answer() -> None:
     from tests.conftest import StepGate, wait_for
 

@@ -184,20 +184,36 @@ _MASK_UNITS = 16
 # ending still valid after the step is reused without a search (in a string, say), so
 # most steps cost no search at all.
 FINISH_WORK_PER_REQUEST = 65_536
+# What following a grammar may cost one answer on the step thread, in CPU seconds of
+# matcher work on that thread (masks, tokens fed, fast-forward, finishing searches; CPU
+# time, so a loaded machine does not count against it): half a second, plus 10 ms a
+# token. A JSON schema costs well under a millisecond a token; an ambiguous grammar
+# (``e: e e | e e e``) re-walks a growing Earley chart at every token (37 ms a token on
+# the tiny model, growing) and held the shared step loop for minutes. Past it the answer
+# ends with a 400, and the format is refused from then on.
+GRAMMAR_SECONDS = 0.5
+GRAMMAR_SECONDS_PER_TOKEN = 0.010
+# The compile thread's search for the shortest answer: also bounded in time, so that a
+# grammar whose every step is costly cannot hold a compile thread (and a shutdown).
+START_FINISH_SECONDS = 2.0
 # A search from the grammar's start: the shortest answer it allows (compile thread).
 START_FINISH_LIMIT = 2048
 START_FINISH_WORK = 65_536
 
 
 class SearchWork:
-    """What finishing searches may still cost (units: see ``_MASK_UNITS``)."""
+    """What finishing searches may still cost (units: see ``_MASK_UNITS``), and until
+    when (``deadline``, ``time.monotonic()``; none for the step thread's searches)."""
 
-    def __init__(self, units: int) -> None:
+    def __init__(self, units: int, deadline: float = float("inf")) -> None:
         self.left = units
+        self.deadline = deadline
 
     def spend(self, units: int) -> bool:
-        """Take ``units``; False when there were not that many left."""
+        """Take ``units``; False when there were not that many left, or time is up."""
         self.left -= units
+        if self.deadline != float("inf") and time.monotonic() > self.deadline:
+            self.left = -1
         return self.left >= 0
 
 
@@ -481,8 +497,9 @@ class GrammarCompiler:
             matcher, error = None, str(exc) or type(exc).__name__
         if error is None:
             try:  # our own code: a failure here is a bug, not the request's fault
-                shortest = self.finisher.finish(matcher, START_FINISH_LIMIT,
-                                                SearchWork(START_FINISH_WORK))
+                shortest = self.finisher.finish(
+                    matcher, START_FINISH_LIMIT,
+                    SearchWork(START_FINISH_WORK, time.monotonic() + START_FINISH_SECONDS))
             except Exception as exc:
                 log.exception("compiling a %s failed inside qvld", fmt.type)
                 error, internal = f"{type(exc).__name__}: {exc}", True
@@ -537,6 +554,8 @@ class Constraint:
         self.mask_s: list[float] = []  # each step's mask computation and application
         # What finding ways to end the answer (``finish``) may still cost.
         self.finish_work = SearchWork(FINISH_WORK_PER_REQUEST)
+        self.spent_s = 0.0  # CPU seconds of matcher work on its thread (GRAMMAR_SECONDS)
+        self.tokens = 0
 
     def failed(self) -> str | None:
         """Why the compile failed, when it has already finished and failed (cheap: lets
@@ -602,7 +621,7 @@ class Constraint:
         """Every token the grammar does not allow next -> -inf (in place)."""
         self.wait()
         assert self._matcher is not None
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         bits = self._bitmask
         self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
         if self._matcher.is_error():
@@ -611,12 +630,16 @@ class Constraint:
         allowed = _allowed(bits, flat.size)
         np.putmask(flat, ~allowed, -np.inf)
         self.mask_s.append(time.perf_counter() - t0)
+        self._spent(time.thread_time() - cpu0)
 
     def advance(self, token: int) -> bool:
         """Feed the chosen token; True when the grammar is complete (the answer ends)."""
         assert self._matcher is not None
+        t0 = time.thread_time()
         if not self._matcher.consume_token(token):
             self._gave_up()
+        self.tokens += 1
+        self._spent(time.thread_time() - t0)
         return bool(self._matcher.is_stopped())
 
     def forced(self) -> list[int]:
@@ -625,7 +648,19 @@ class Constraint:
         what follows could merge with (nothing is consumed)."""
         self.wait()
         assert self._matcher is not None
-        return list(self._matcher.compute_ff_tokens())
+        t0 = time.thread_time()
+        tokens = list(self._matcher.compute_ff_tokens())
+        self._spent(time.thread_time() - t0)
+        return tokens
+
+    def _spent(self, seconds: float) -> None:
+        """Count matcher work; past ``GRAMMAR_SECONDS`` (and its share per token) the
+        answer ends: the grammar costs too much to follow on the shared step."""
+        self.spent_s += seconds
+        if self.spent_s > GRAMMAR_SECONDS + GRAMMAR_SECONDS_PER_TOKEN * self.tokens:
+            self._refuse(f"following it took {self.spent_s:.1f} s of matcher work for "
+                         f"{self.tokens} tokens (at most {GRAMMAR_SECONDS:g} s and "
+                         f"{GRAMMAR_SECONDS_PER_TOKEN * 1000:g} ms a token)")
 
     def rollback(self, tokens: int) -> None:
         """Take back the last ``tokens`` fed."""
@@ -664,7 +699,10 @@ class Constraint:
         if not self.can_finish:
             return None
         assert self._compiler is not None
-        return self._compiler.finisher.finish(self._matcher, limit, self.finish_work, known)
+        t0 = time.thread_time()
+        ending = self._compiler.finisher.finish(self._matcher, limit, self.finish_work, known)
+        self._spent(time.thread_time() - t0)
+        return ending
 
     def _gave_up(self) -> NoReturn:
         """The matcher stopped inside a grammar that compiled: its parser passed one of
@@ -672,7 +710,11 @@ class Constraint:
         properties). A client error, not ours; the compiled entry remembers it, so the
         same content is refused before its next request runs, and it is logged once."""
         assert self._matcher is not None
-        reason = _first_lines(self._matcher.get_error() or "no reason given", 1)
+        self._refuse(_first_lines(self._matcher.get_error() or "no reason given", 1))
+
+    def _refuse(self, reason: str) -> NoReturn:
+        """This format is beyond what the grammar engine can follow: refused from now on
+        (the compiled entry remembers it), logged once, a 400 for this request."""
         compiled = self.future.result()
         first = compiled.matcher is not None
         compiled.matcher, compiled.error = None, f"the grammar engine gave up: {reason}"
