@@ -250,10 +250,12 @@ def status_text(status: dict[str, Any], now: float | None = None) -> str:
                    else ""))
         head.append(("batch", text))
         if blocks:
-            used = blocks["blocks"] - blocks["free"]
-            head.append(("KV blocks", f"{used} of {blocks['blocks']} in use "
-                         f"({batch.get('kv_usage_ratio', used / max(blocks['blocks'], 1)):.0%}), "
-                         f"{blocks.get('cached', 0)} cached, {blocks['block_size']} tokens each"))
+            held = blocks.get("held", 0)
+            head.append(("KV blocks", f"{held} of {blocks['blocks']} held by generations "
+                         f"({held / max(blocks['blocks'], 1):.0%}), "
+                         f"{blocks.get('kept', 0)} kept for sessions, "
+                         f"{blocks.get('cached', 0)} cached, {blocks.get('free', 0)} free; "
+                         f"{blocks['block_size']} tokens each"))
     head += _cache_lines(status.get("caches") or {})
     preflight = status.get("preflight")
     if preflight:

@@ -138,7 +138,8 @@ class Metrics:
                               "KV-cache blocks held by running generations, 0 to 1 (cached "
                               "prefixes count as free: they give way).", registry=registry)
         self.kv_blocks = Gauge("qvld_kv_cache_blocks", "KV-cache blocks by state: held by "
-                               "generations, cached prefixes, free.", ("state",),
+                               "generations, kept for sessions' histories, cached "
+                               "prefixes, free (together every block).", ("state",),
                                registry=registry)
         self.batch_sequences = Gauge("qvld_batch_sequences", "Generations in the batched step "
                                      "loop, decoding or feeding their prompt.", ("state",),
@@ -192,7 +193,7 @@ class Metrics:
             return value
 
         self.kv_usage.set_function(read("kv_usage_ratio"))
-        for state in ("held", "cached", "free"):
+        for state in ("held", "kept", "cached", "free"):
             self.kv_blocks.labels(state).set_function(read("kv_blocks", state))
         for state in ("decoding", "prefilling"):
             self.batch_sequences.labels(state).set_function(read(state))

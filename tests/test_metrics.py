@@ -127,6 +127,10 @@ def test_live_gauges_and_scrape_cost_during_a_generation(metered: tuple[Daemon, 
               if name == "qvld_cache_config_info" and v == 1]
     assert len(layout) == 1 and int(layout[0]["block_size"]) > 0 \
         and int(layout[0]["num_blocks"]) > 0
+    states = {dict(labels)["state"]: v for (name, labels), v in samples.items()
+              if name == "qvld_kv_cache_blocks"}
+    assert set(states) == {"held", "kept", "cached", "free"} and states["held"] > 0
+    assert sum(states.values()) == int(layout[0]["num_blocks"])  # every block, once
     worker.join(60)
     assert done.is_set()
     print(f"one scrape while generating: {cost * 1000:.1f} ms")

@@ -651,7 +651,7 @@ STATUS = {
               "peak_sequences": 2, "decoding": 1, "prefilling": 1,
               "prompt_runtime": "onnxruntime",
               "kv_blocks": {"blocks": 1000, "block_size": 32, "held": 40, "pinned": 2,
-                            "cached": 6, "free": 950},
+                            "kept": 4, "cached": 6, "free": 950},
               "kv_usage_ratio": 0.05,
               "sequences": [{"uid": 1000, "prompt_tokens": 180, "cached_tokens": 160,
                              "fed_tokens": 200, "generated_tokens": 20, "state": "decode",
@@ -676,7 +676,9 @@ def test_status_for_people_is_aligned_fields_and_tables() -> None:
     assert "qwen3-vl-2b-int8 (openvino 2026.4.1, f32 compute, int8 weights)" in fields["model"]
     assert "pinned to 0,1" in fields["threads"]
     assert "1 running, 1 waiting, 3 preempted so far" in fields["queue"]
-    assert "50 of 1000 in use (5%)" in fields["KV blocks"]
+    # #46: it said "117 of 2064 in use (0%)" (cached and kept blocks counted as used).
+    assert ("40 of 1000 held by generations (4%), 4 kept for sessions, 6 cached, 950 free"
+            in fields["KV blocks"])
     assert "3 entries, 5.0 MiB of 256 MiB; 1 hit, 3 misses (25%)" in fields["images"]
     assert "1 warn (smt)" in fields["preflight"]
     assert "generations:\nUID   STAGE    AGE\n1000  running  1 min 5 s\n1001  queued   0.50 s" \

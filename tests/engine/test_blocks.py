@@ -118,6 +118,9 @@ def test_a_pinned_history_survives_eviction_until_room_is_needed() -> None:
     cache(pool, history)
     assert pool.pin(("uid", "s"), history, 1) == 4  # two full blocks
     assert pool.stats()["pinned"] == 2 and pool.stats()["held"] == 0
+    stats = pool.stats()  # every block in exactly one state
+    assert stats["kept"] == 2
+    assert stats["held"] + stats["kept"] + stats["cached"] + stats["free"] == 6
     for n in range(3):  # other traffic cycles through every unpinned block
         cache(pool, keys(10 + n, 20 + n, 30 + n, 40 + n))
     follow_up = pool.acquire(history + keys(6), 1, rows=8)

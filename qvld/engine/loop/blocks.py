@@ -266,9 +266,13 @@ class BlockPool:
     def stats(self) -> dict[str, int]:
         with self._lock:
             held = self._held()
+            # Every block is in one of: held (by a running sequence), kept (only by
+            # sessions' pins), cached (a published prefix nobody holds) or free.
+            kept = sum(1 for r, p in zip(self._refs, self._pin_refs, strict=True)
+                       if r and r == p)
             return {"blocks": self.num_blocks, "block_size": self.block_size,
-                    "held": held, "pinned": self._pinned(), "cached": len(self._idle),
-                    "free": len(self._free),
+                    "held": held, "kept": kept, "pinned": self._pinned(),
+                    "cached": len(self._idle), "free": len(self._free),
                     "hit_rows": self.hits, "lookup_rows": self.lookups}
 
     def usage_ratio(self) -> float:
