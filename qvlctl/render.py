@@ -251,7 +251,7 @@ def status_text(status: dict[str, Any], now: float | None = None) -> str:
         head.append(("batch", text))
         if blocks:
             held = blocks.get("held", 0)
-            head.append(("KV blocks", f"{held} of {blocks['blocks']} held by generations "
+            head.append(("KV blocks", f"{held} of {blocks['blocks']} held by sequences "
                          f"({held / max(blocks['blocks'], 1):.0%}), "
                          f"{blocks.get('kept', 0)} kept for sessions, "
                          f"{blocks.get('cached', 0)} cached, {blocks.get('free', 0)} free; "

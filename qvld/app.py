@@ -403,8 +403,11 @@ class App:
                 try:
                     await self.exporter.start()
                 except OSError as exc:
-                    log.error("cannot serve metrics on %s: %s", self.config.metrics.listen,
-                              exc)
+                    # A second daemon on one machine meets the first one's port: say how.
+                    log.error("cannot serve metrics on %s: %s; set metrics.listen to "
+                              "another HOST:PORT, or to \"\" to serve /metrics on the "
+                              "HTTP API (if any) and the socket's metrics op only",
+                              self.config.metrics.listen, exc)
                     return EXIT_FAILURE
             fds = named_listen_fds()
             unix_fd = next((fd for fd, name in fds if name != "http"), None)
@@ -571,3 +574,5 @@ class App:
             with contextlib.suppress(Exception):
                 await asyncio.sleep(0.05)  # let the last replies reach their sockets
                 await self.server.close()
+        # The journal's last word on this run: an operator reading it knows it ended here.
+        log.info("stopped after %.0f s up", time.monotonic() - self.state.started)

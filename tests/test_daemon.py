@@ -265,3 +265,30 @@ def test_bad_model_dir_exits_78(tmp_path: Path) -> None:
     assert daemon.proc.wait(30) == 78
     assert "no-model" in daemon.log()
     assert not daemon.socket.exists()
+
+
+def test_a_metrics_port_in_use_exits_saying_how_to_move_it(tmp_path: Path) -> None:
+    """#46: a second daemon meeting the first one's metrics port exited with no hint."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        daemon = Daemon(tmp_path, metrics_listen=f"127.0.0.1:{port}").start(wait_ready=False)
+        assert daemon.proc is not None
+        assert daemon.proc.wait(60) != 0
+    log = daemon.log()
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in log
+    assert 'metrics.listen to another HOST:PORT, or to ""' in log
+    assert not daemon.socket.exists()
+
+
+def test_sigterm_ends_the_log_with_a_last_line(tmp_path: Path) -> None:
+    """#46: nothing was logged after SIGTERM; an operator reading the journal could not
+    tell a clean stop from a hang or a kill."""
+    daemon = Daemon(tmp_path).start()
+    assert daemon.stop() == 0
+    lines = daemon.log().strip().splitlines()
+    assert "received SIGTERM: draining" in daemon.log()
+    assert "stopped after" in lines[-1], lines[-3:]

@@ -677,7 +677,7 @@ def test_status_for_people_is_aligned_fields_and_tables() -> None:
     assert "pinned to 0,1" in fields["threads"]
     assert "1 running, 1 waiting, 3 preempted so far" in fields["queue"]
     # #46: it said "117 of 2064 in use (0%)" (cached and kept blocks counted as used).
-    assert ("40 of 1000 held by generations (4%), 4 kept for sessions, 6 cached, 950 free"
+    assert ("40 of 1000 held by sequences (4%), 4 kept for sessions, 6 cached, 950 free"
             in fields["KV blocks"])
     assert "3 entries, 5.0 MiB of 256 MiB; 1 hit, 3 misses (25%)" in fields["images"]
     assert "1 warn (smt)" in fields["preflight"]
