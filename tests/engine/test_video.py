@@ -184,3 +184,27 @@ def test_a_video_given_as_frames(tiny_engine: Engine) -> None:
         tiny_engine.tokenize(GenerateRequest(messages=[{"role": "user", "content": [
             {"type": "video", "frames": [picked[0],
                                          (TINY / "images" / "photo.png").read_bytes()]}]}]))
+
+
+
+def test_a_clip_that_would_cost_too_many_pixels_to_decode_is_refused_before_decoding(
+        tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """#46: 225 KB of H.264 (one 7680x7680 picture, 2 999 skipped ones) was decoded frame
+    by frame until the deadline: 300 s, +1 GB. What decoding a clip would produce (its
+    frames up to the last sampled one, times their pixels) is checked from the header:
+    here a budget below this clip's, and not one frame is decoded."""
+    from qvld.engine.inputs import video
+
+    clip = make_clip(seconds=10, fps=10, width=256, height=192)  # 100 frames
+    decoded: list[int] = []
+    resized = video._resized
+    monkeypatch.setattr(video, "_resized", lambda rgb, size: decoded.append(1)
+                        or resized(rgb, size))
+    monkeypatch.setattr(video, "MAX_CLIP_DECODE_PIXELS", 99 * 256 * 192)
+    with pytest.raises(VideoInvalid, match=r"100 frames of 256x192 decoded .* shorter or "
+                                           "smaller"):
+        tiny_engine.generate(ask(clip, max_tokens=2))
+    assert decoded == []
+    monkeypatch.setattr(video, "MAX_CLIP_DECODE_PIXELS", 100 * 256 * 192)
+    assert tiny_engine.generate(ask(clip, max_tokens=2)).usage.completion_tokens == 2
+    assert decoded  # within the budget: decoded as ever

@@ -21,8 +21,10 @@ the wheels carry them, no system FFmpeg needed). The steps follow transformers'
 
 Bounds: the clip's tokens (``model.video_max_tokens``: fewer frames, then smaller ones),
 the frames decoded (``MAX_DECODED_FRAMES``), each frame's pixels
-(``engine.max_decode_pixels``), and time (``should_stop``: the client left or the
-deadline passed). Anything that is not a usable clip is ``video_invalid``.
+(``engine.max_decode_pixels``), all the pixels decoding it takes
+(``MAX_CLIP_DECODE_PIXELS``, from the header, before decoding), the decoder's threads
+(``DECODER_THREADS``), and time (``should_stop``: the client left or the deadline
+passed). Anything that is not a usable clip is ``video_invalid``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ from qvld.errors import VideoInvalid
 
 # Frames a clip may have (decoded up to its last sampled frame): 2 hours at 60 fps.
 MAX_DECODED_FRAMES = 432_000
+# Pixels a clip may make the decoder produce: every frame up to its last sampled one
+# (a decoder cannot skip to a frame), whatever the bytes sent. 8e9 is two minutes of
+# 1080p at 30 fps (seconds of CPU); a 225 KB clip of one 7680x7680 picture and 2 999
+# skipped ones would be 177e9 (300 s of decoding, +1 GB). Checked from the header,
+# before a frame is decoded.
+MAX_CLIP_DECODE_PIXELS = 8_000_000_000
+# Decoder threads per clip: each frame thread holds a whole frame of its own.
+DECODER_THREADS = 2
 # Each group of two frames keeps at least this many tokens (128x128 pixels): a longer
 # clip is sampled at fewer frames rather than shrunk to nothing.
 MIN_GROUP_TOKENS = 16
@@ -120,6 +130,7 @@ def _open(data: bytes) -> tuple[Any, Any]:
         raise VideoInvalid("the file has no video stream")
     stream = streams[0]
     stream.thread_type = "AUTO"
+    stream.thread_count = DECODER_THREADS
     return container, stream
 
 
@@ -179,6 +190,12 @@ def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: in
             raise VideoInvalid(f"the video has over {MAX_DECODED_FRAMES} frames; "
                                "send a shorter clip")
         indices = sample_indices(total, video_fps, spec, most)
+        decoded = (int(indices[-1]) + 1) * width * height
+        if decoded > MAX_CLIP_DECODE_PIXELS:
+            raise VideoInvalid(f"the video would have {int(indices[-1]) + 1} frames of "
+                               f"{width}x{height} decoded ({decoded / 1e9:.1f} billion "
+                               f"pixels); at most {MAX_CLIP_DECODE_PIXELS / 1e9:g} billion "
+                               "are decoded for one clip: send a shorter or smaller one")
         wanted: dict[int, list[int]] = {}  # frame -> where it goes (short clips repeat one)
         for n, i in enumerate(indices):
             wanted.setdefault(int(i), []).append(n)
