@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import NOBODY, wait_for
 from tests.test_http import RECEIPT, HttpDaemon
 
 READ_TIMEOUT_S = 2
@@ -325,3 +325,37 @@ def test_ten_thousand_connections(daemon: HttpDaemon) -> None:
     wait_for(lambda: open_fds(daemon.proc.pid) <= fds_before + 2, 30,  # type: ignore[union-attr]
              "the daemon to close the connections")
     still_serving(daemon)
+
+
+HOLD_CONNECTIONS = """
+import socket, sys
+port, count = int(sys.argv[1]), int(sys.argv[2])
+held = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+extra = socket.create_connection(("127.0.0.1", port))
+extra.settimeout(10)
+print(extra.recv(12).decode(), flush=True)  # past its share: answered at once
+sys.stdin.read()  # hold them until told
+"""
+
+
+def test_one_users_idle_connections_do_not_shut_out_another(tmp_path: Path) -> None:
+    """#46 (round 3's last finding): connections opened and never used held every one
+    of http.max_connections before anyone was authenticated (a keyed client 0/25
+    served). Each local user (or remote address) is held to its fair share once the
+    limit is reached: uid 65534 opens the limit's worth and its next one is a 429; root,
+    holding none, is served."""
+    import shutil
+
+    daemon = HttpDaemon(tmp_path, args=["--set", "http.max_connections=16",
+                                        "--set", "http.read_timeout_s=60"]).start()
+    python = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
+    hog = subprocess.Popen([python, "-c", HOLD_CONNECTIONS, str(daemon.port), "16"],
+                           user=NOBODY, group=NOBODY, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, cwd="/")
+    try:
+        assert hog.stdout is not None
+        assert hog.stdout.readline().decode().strip() == "HTTP/1.1 429"
+        still_serving(daemon)  # root: its share of a full house
+    finally:
+        hog.communicate(b"", timeout=30)
+        daemon.stop()

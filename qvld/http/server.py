@@ -30,6 +30,7 @@ cancels the handler).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -55,6 +56,7 @@ from qvld.errors import (
     QvlError,
     Unavailable,
 )
+from qvld.fairqueue import within_share
 from qvld.handlers import DaemonState
 from qvld.http import openai, sitecheck, webui
 from qvld.http.body import BodyReader, check_content_encoding
@@ -154,6 +156,15 @@ class _Exchange:
         self.events.put_nowait(message)
 
 
+def _owner(sock: socket.socket, peer: Peer | str | None) -> tuple[str, Any]:
+    """Whose share of the connections ``sock`` counts against: its local user's, else
+    its remote address's."""
+    if isinstance(peer, Peer):
+        return ("uid", peer.uid)
+    address = sock.getpeername()
+    return ("address", address[0] if isinstance(address, tuple) else address)
+
+
 def _refuse(conn: socket.socket) -> None:
     """A connection past http.max_connections: answered 429 at once, never read."""
     _, body = openai.error_body(Busy("too many connections; retry later"))
@@ -238,6 +249,9 @@ class HttpFront:
                                  self.config.read_timeout_s, self._executor)
         # Each connection's caller, found once (the kernel's answer holds for its life).
         self._peers: weakref.WeakKeyDictionary[Any, Peer | str | None] = \
+            weakref.WeakKeyDictionary()
+        # Each open connection's owner (its transport -> a uid or a remote address).
+        self._owners: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = \
             weakref.WeakKeyDictionary()
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
@@ -329,7 +343,12 @@ class HttpFront:
     async def _accept(self, listener: socket.socket) -> None:
         """Accept one connection at a time, so that the count of connections is exact
         when the next one is judged (asyncio's own server accepts a whole backlog before
-        any of them is counted); past http.max_connections, answer 429 and close."""
+        any of them is counted). At http.max_connections, who holds each connection is
+        asked of the kernel (the local user, or the remote address; below the limit
+        nobody is asked, so churn costs nothing), and a new one is answered 429 and
+        closed only when its owner holds its fair share of them
+        (``fairqueue.within_share``): connections opened and never used, by one user or
+        address, do not shut out everyone else before anyone is authenticated."""
         loop = asyncio.get_running_loop()
         assert self._runner is not None and self._runner.server is not None
         server = self._runner.server
@@ -340,13 +359,48 @@ class HttpFront:
                 log.warning("HTTP: cannot accept a connection: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if len(server.connections) >= self.config.max_connections:
-                _refuse(conn)
-                continue
+            full = len(server.connections) >= self.config.max_connections
+            peer: Peer | str | None = None
+            if full:  # whose share would it take? (asked only then: churn costs nothing)
+                try:
+                    peer = await loop.run_in_executor(self._executor, _kernel_peer, conn)
+                    owner = _owner(conn, peer)
+                except OSError:  # gone already
+                    conn.close()
+                    continue
+                # Those accepted below the limit were not asked: asked now, once each.
+                await asyncio.gather(*(self._identify(c.transport) for c in server.connections
+                                       if c.transport and c.transport not in self._owners))
+                held = collections.Counter(self._owners.get(c.transport)
+                                           for c in server.connections if c.transport)
+                mine = held.pop(owner, 0)
+                if not within_share(total=len(server.connections), held=mine,
+                                    others=len(held), asked=1,
+                                    capacity=self.config.max_connections):
+                    _refuse(conn)
+                    continue
             try:
-                await loop.connect_accepted_socket(server, conn)
+                transport, _ = await loop.connect_accepted_socket(server, conn)
             except OSError:
                 conn.close()
+                continue
+            if full:
+                self._owners[transport] = owner
+                self._peers[transport] = peer
+
+    async def _identify(self, transport: Any) -> None:
+        """Who holds ``transport``'s connection (its share of them), asked of the kernel
+        off the event loop; also its caller for its requests."""
+        sock = transport.get_extra_info("socket")
+        if sock is None or transport.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            peer = await loop.run_in_executor(self._executor, _kernel_peer, sock)
+            self._owners[transport] = _owner(sock, peer)
+        except OSError:  # gone already
+            return
+        self._peers.setdefault(transport, peer)
 
     @property
     def address(self) -> str:
