@@ -338,6 +338,7 @@ sys.stdin.read()  # hold them until told
 """
 
 
+@pytest.mark.slow  # a daemon of its own: the default tier stays under 5 minutes
 def test_one_users_idle_connections_do_not_shut_out_another(tmp_path: Path) -> None:
     """#46 (round 3's last finding): connections opened and never used held every one
     of http.max_connections before anyone was authenticated (a keyed client 0/25

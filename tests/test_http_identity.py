@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +204,9 @@ def test_a_revoked_key_ends_its_sessions(tmp_path: Path) -> None:
     old, new = "qvld-test-key-alice-old-000000", "qvld-test-key-alice-new-000000"
     keys.write_text(f"alice:{hash_key(old)}\nbob:{hash_key('qvld-test-key-bob-0000')}\n")
     keys.chmod(0o600)
-    d = HttpDaemon(tmp_path, args=["--set", f"http.api_keys_file={keys}"]).start()
+    d = HttpDaemon(tmp_path, args=["--set", f"http.api_keys_file={keys}",
+                                   "--set", "engine.max_new_tokens=30000",
+                                   "--set", "engine.max_context_tokens=32768"]).start()
     try:
         target = f"tcp:{d.port}"
         session = {"X-Qvld-Session": "notes"}
@@ -211,10 +214,19 @@ def test_a_revoked_key_ends_its_sessions(tmp_path: Path) -> None:
             "Authorization": f"Bearer {old}", **session})
         assert status == 200 and first["session"]["turns"] == 1
         assert d.proc is not None
-        keys.write_text(f"bob:{hash_key('qvld-test-key-bob-0000')}\n")  # alice revoked
-        d.proc.send_signal(1)
-        wait_for(lambda: "reload done" in d.log(), 60, "the reload", detail=d.log)
-        assert "API keys revoked: alice (sessions ended: 1)" in d.log()
+        # #46: a revoked key's generation in flight ran to its end.
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(http_as, 0, target, {**ask("Go on.", 10000), "ignore_eos": True},
+                               {"Authorization": f"Bearer {old}"})
+            wait_for(lambda: d.queue()[0] == 1, 60, "alice's long answer to run")
+            keys.write_text(f"bob:{hash_key('qvld-test-key-bob-0000')}\n")  # alice revoked
+            d.proc.send_signal(1)
+            wait_for(lambda: "reload done" in d.log(), 60, "the reload", detail=d.log)
+            status, cut = long.result(60)
+        assert "API keys revoked: alice (sessions ended: 1, generations cancelled: 1)" \
+            in d.log()
+        assert status == 401 and "revoked while this generation ran" in \
+            cut["error"]["message"], cut
         keys.write_text(f"bob:{hash_key('qvld-test-key-bob-0000')}\nalice:{hash_key(new)}\n")
         d.proc.send_signal(1)
         wait_for(lambda: d.log().count("reload done") == 2, 60, "the second reload",

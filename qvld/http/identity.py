@@ -36,6 +36,7 @@ SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST = 0x1
 NLMSG_ERROR = 0x2
 INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+TCP_LISTEN = 10
 _NLMSGHDR = struct.Struct("=IHHII")
 # inet_diag_req_v2: family, protocol, ext, pad, states; then inet_diag_sockid: ports
 # (network order), source and destination (16 bytes each), interface, cookie.
@@ -92,6 +93,13 @@ def _netlink_owner(family: int, peer: bytes, peer_port: int, local: bytes,
         raise OSError(-errno, os.strerror(-errno))
     if kind != SOCK_DIAG_BY_FAMILY or len(reply) < _MSG_TAIL_OFFSET + _MSG_TAIL.size:
         raise OSError(f"unexpected sock_diag reply (type {kind})")
+    # The kernel's lookup falls back to a listening socket when no connection matches
+    # (the client left, and something listens on its port): only a connection whose
+    # four addresses are the ones asked for is the client's.
+    _, state, _, _ = _MSG_HEAD.unpack_from(reply, _NLMSGHDR.size)
+    found = reply[_NLMSGHDR.size + _MSG_HEAD.size:][:_SOCKID.size]
+    if state == TCP_LISTEN or found != sockid[:_SOCKID.size]:
+        return None
     _, _, _, uid, inode = _MSG_TAIL.unpack_from(reply, _MSG_TAIL_OFFSET)
     return uid, inode
 
@@ -112,8 +120,9 @@ def _proc_owner(family: int, peer: bytes, peer_port: int, local: bytes,
         next(rows)  # the header
         for row in rows:
             fields = row.split()
+            # State 0A is LISTEN: never the client's end of a connection.
             if len(fields) >= 10 and fields[1] == wanted_local \
-                    and fields[2] == wanted_remote:
+                    and fields[2] == wanted_remote and fields[3] != "0A":
                 return int(fields[7]), int(fields[9])
     return None
 

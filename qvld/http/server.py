@@ -250,6 +250,9 @@ class HttpFront:
         # Each connection's caller, found once (the kernel's answer holds for its life).
         self._peers: weakref.WeakKeyDictionary[Any, Peer | str | None] = \
             weakref.WeakKeyDictionary()
+        # Users whose key was revoked while the daemon ran: a generation of theirs that
+        # was cancelled for it is answered 401, not "retry".
+        self._revoked_uids: set[int] = set()
         # Each open connection's owner (its transport -> a uid or a remote address).
         self._owners: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = \
             weakref.WeakKeyDictionary()
@@ -291,13 +294,19 @@ class HttpFront:
         if not revoked:
             return
         engine = self.state.engine
-        ended = 0
+        ended = cancelled = 0
         for key_hash, name in revoked.items():
             uid = self.users.known(name, key_hash)
             if uid is not None and engine is not None:
                 ended += engine.sessions.close_user(uid)
-        log.info("API keys revoked: %s (sessions ended: %d)",
-                 ", ".join(sorted(revoked.values())), ended)
+                # Its generations in flight end too: a revoked key gets nothing more.
+                self._revoked_uids.add(uid)
+                for gen in engine.generations():
+                    if gen.uid == uid:
+                        engine.cancel(gen)
+                        cancelled += 1
+        log.info("API keys revoked: %s (sessions ended: %d, generations cancelled: %d)",
+                 ", ".join(sorted(revoked.values())), ended, cancelled)
 
     # -- listening ------------------------------------------------------------------
 
@@ -387,6 +396,15 @@ class HttpFront:
             if full:
                 self._owners[transport] = owner
                 self._peers[transport] = peer
+
+    def _stopped(self, request: web.Request) -> QvlError:
+        """Why the daemon, not the client, ended a generation: its key was revoked, or
+        the daemon is shutting down."""
+        caller = request.get("caller")
+        if caller is not None and caller.peer.uid in self._revoked_uids:
+            return Unauthorized("the API key was revoked while this generation ran")
+        return Unavailable("the daemon stopped this generation (it is shutting down); "
+                           "retry")
 
     async def _identify(self, transport: Any) -> None:
         """Who holds ``transport``'s connection (its share of them), asked of the kernel
@@ -650,8 +668,7 @@ class HttpFront:
             else:
                 result = await asyncio.shield(task)
                 if result["finish_reason"] == "cancelled":
-                    raise Unavailable("the daemon stopped this generation (it is "
-                                      "shutting down); retry")
+                    raise self._stopped(request)
                 response = web.json_response(openai.completion(result, cid, created, model))
         except asyncio.CancelledError:
             await _settle(ctx, task, fields)  # the client left
@@ -723,8 +740,7 @@ class HttpFront:
             await response.write_eof()
             return response
         if result["finish_reason"] == "cancelled":  # by a drain: the client is still here
-            stopped = Unavailable("the daemon stopped this generation (it is shutting "
-                                  "down); retry")
+            stopped = self._stopped(request)
             if response is None:
                 raise stopped
             await send(openai.error_body(stopped)[1])

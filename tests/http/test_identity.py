@@ -96,3 +96,13 @@ def test_loopback_and_user_groups() -> None:
     assert gid == 0 and 0 in groups
     assert user_groups(65533) == (65533, frozenset())  # no passwd entry
     assert user_groups(os.getuid())[0] == os.getgid()
+
+
+def test_a_listening_socket_is_nobodys_connection(lookup: Callable[..., int | None]) -> None:
+    """#46: with no connection matching, the kernel's lookup can answer with a socket
+    listening on the asked client address and port; its owner (root here) is not a
+    caller. Only a connection with exactly the four addresses asked for counts."""
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_server(("127.0.0.1", 0)) as listener:
+        claimed = ("127.0.0.1", listener.getsockname()[1])  # no connection from here
+        assert lookup(claimed, server.getsockname()) is None

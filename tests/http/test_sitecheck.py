@@ -94,6 +94,7 @@ def test_the_daemon_refuses_what_a_page_could_send_as_its_visitor(daemon: HttpDa
     assert daemon.openai().models.list().data  # the openai client, as ever
 
 
+@pytest.mark.slow  # a daemon of its own: the default tier stays under 5 minutes
 def test_with_keys_a_page_cannot_act_as_anyone(tmp_path: Any) -> None:
     """With API keys the checks are off: a page cannot send a key it does not know, and
     a caller with one may be anywhere (a proxy, another origin listed or not)."""
