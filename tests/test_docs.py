@@ -45,6 +45,14 @@ def test_each_page_is_clean_roff_and_renders(docs: Path, name: str) -> None:
     assert re.search(r"^NAME\n", text, re.M) and "2025-12-02" in text  # SOURCE_DATE_EPOCH
 
 
+def test_the_name_lines_read_as_plain_text(docs: Path) -> None:
+    """#46: qvld(8)'s NAME line showed 'Qwen3\\-VL' (escaped twice): what whatis and
+    apropos print."""
+    text = rendered(docs / "man" / "qvld.8")
+    name = text.split("NAME\n", 1)[1].splitlines()[0].strip()
+    assert name == "qvld - the Qwen3-VL vision-language daemon", name
+
+
 def test_the_config_page_has_every_key_with_its_default(docs: Path) -> None:
     text = rendered(docs / "man" / "qvld.yaml.5")
     flat = re.sub(r"\s+", " ", text)

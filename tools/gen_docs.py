@@ -149,8 +149,9 @@ def generate(out: Path) -> list[Path]:
     man.mkdir(parents=True, exist_ok=True)
     completion.mkdir(parents=True, exist_ok=True)
     files = {
-        man / "qvld.8": program_page(qvld_parser(), 8, "the Qwen3\\-VL vision\\-language "
-                                     "daemon", "\\fBqvlctl\\fR(1), \\fBqvld.yaml\\fR(5)"),
+        # argparse-manpage escapes the description's hyphens itself: plain text here.
+        man / "qvld.8": program_page(qvld_parser(), 8, "the Qwen3-VL vision-language daemon",
+                                     "\\fBqvlctl\\fR(1), \\fBqvld.yaml\\fR(5)"),
         man / "qvlctl.1": program_page(qvlctl_parser(), 1, "ask qvld questions about "
                                        "images, and look at the daemon",
                                        "\\fBqvld\\fR(8), \\fBqvld.yaml\\fR(5)"),
