@@ -51,6 +51,11 @@ class FairQueue(Generic[T]):
             del self._by_uid[uid]
         return True
 
+    def peek(self, uid: int) -> T | None:
+        """``uid``'s next item, left where it is."""
+        queue = self._by_uid.get(uid)
+        return queue[0] if queue else None
+
     def pop(self, eligible: Callable[[int], bool] = lambda uid: True) -> T | None:
         """The next item of the first ``eligible`` uid in the rotation, or None."""
         uid = next((u for u in self._by_uid if eligible(u)), None)

@@ -184,7 +184,8 @@ class Handlers:
             return ctx.cancelled.is_set() or time.monotonic() >= job_deadline
 
         ticket = self.prepare_stage.submit(
-            uid, lambda: engine.prepare(request, uid, stop_preparing), job_deadline)
+            uid, lambda: engine.prepare(request, uid, stop_preparing), job_deadline,
+            media=_has_media(request.messages))
         ctx.on_cancel.append(lambda: self.prepare_stage.cancel(ticket))
         if ctx.cancelled.is_set():
             self.prepare_stage.cancel(ticket)
@@ -407,3 +408,11 @@ def _prompt_text(messages: Any) -> str:
         elif isinstance(content, list):
             parts += [p.get("text", "[image]") for p in content if isinstance(p, dict)]
     return " | ".join(str(p) for p in parts)
+
+
+def _has_media(messages: list[dict[str, Any]]) -> bool:
+    """Whether a request's messages hold images or video (their decoding is the prepare
+    stage's long work)."""
+    return any(isinstance(part, dict) and part.get("type") in ("image", "video")
+               for message in messages if isinstance(message.get("content"), list)
+               for part in message["content"])

@@ -4,7 +4,9 @@ Prepare work is CPU-heavy (an 8000×8000 PNG takes seconds to decode), so it run
 few threads, and like the generation queue it is shared fairly: waiting items are taken
 round-robin between uids, and one uid runs on at most ``workers - 1`` threads while
 others could want one, so three requests of huge images from one user (measured: 20 s of
-decoding) do not hold every thread when another user's small request arrives. An item
+decoding) do not hold every thread when another user's small request arrives; and work
+decoding images or video runs on at most ``workers - 1`` threads in all, so that several
+users' clips at once never make a text request wait behind their decoding. An item
 whose client left or whose
 deadline passed while it waited is dropped without running (its waiter is answered at
 once); one already running stops between images (the engine polls ``should_stop``). At
@@ -42,6 +44,7 @@ class Ticket:
     cancelled: bool = False
     started: float | None = None
     enqueued: float = field(default_factory=time.monotonic)
+    media: bool = False  # images or video to decode: seconds of work, not milliseconds
 
 
 class PrepareStage:
@@ -50,8 +53,12 @@ class PrepareStage:
         self._lock = threading.Condition()
         self._waiting: FairQueue[Ticket] = FairQueue()
         self._running: collections.Counter[int] = collections.Counter()
-        # One thread stays free for other uids (unless there is only one).
+        # One thread stays free for other uids (unless there is only one), and one for
+        # requests without images or video: users' large pictures or clips at once never
+        # make a text request wait behind their decoding.
         self.per_uid = max(1, workers - 1)
+        self.media_threads = max(1, workers - 1)
+        self._media_running = 0
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"qvld-prepare-{i}",
                                           daemon=True) for i in range(workers)]
@@ -68,10 +75,12 @@ class PrepareStage:
         with self._lock:
             return len(self._waiting)
 
-    def submit(self, uid: int, work: Callable[[], Any], deadline: float) -> Ticket:
-        """Queue ``work`` for ``uid`` (call from the event loop)."""
+    def submit(self, uid: int, work: Callable[[], Any], deadline: float,
+               media: bool = False) -> Ticket:
+        """Queue ``work`` for ``uid`` (call from the event loop); ``media``: it decodes
+        images or video."""
         loop = asyncio.get_running_loop()
-        ticket = Ticket(uid, work, deadline, loop, loop.create_future())
+        ticket = Ticket(uid, work, deadline, loop, loop.create_future(), media=media)
         with self._lock:
             if self._closed:
                 raise Unavailable("the daemon is shutting down")
@@ -113,10 +122,16 @@ class PrepareStage:
     def _take(self) -> Ticket | None:
         """The next item, round-robin between the uids under their share of threads
         (lock held)."""
+        def eligible(uid: int) -> bool:
+            head = self._waiting.peek(uid)
+            return self._running[uid] < self.per_uid and (
+                head is None or not head.media or self._media_running < self.media_threads)
+
         while not self._closed:
-            ticket = self._waiting.pop(lambda uid: self._running[uid] < self.per_uid)
+            ticket = self._waiting.pop(eligible)
             if ticket is not None:
                 self._running[ticket.uid] += 1
+                self._media_running += ticket.media
                 return ticket
             self._lock.wait()
         return None
@@ -141,6 +156,7 @@ class PrepareStage:
                 error = exc
             finally:
                 with self._lock:
+                    self._media_running -= ticket.media
                     self._running[ticket.uid] -= 1
                     if not self._running[ticket.uid]:
                         del self._running[ticket.uid]

@@ -118,3 +118,23 @@ def test_busy_beyond_the_queue_and_close_ends_the_waiting() -> None:
         release.set()
 
     asyncio.run(scenario())
+
+
+def test_decoding_media_never_takes_the_thread_a_text_request_needs() -> None:
+    """#46: two users' video bombs held both prepare threads, and a third user's plain
+    text request waited 37.4 s. Work decoding images or video runs on at most all
+    threads but one, whoever sends it."""
+    async def scenario() -> None:
+        stage = PrepareStage(workers=2, queue_max=8)
+        release, slow = blocker()
+        far = time.monotonic() + 30
+        clips = [stage.submit(uid, slow, far, media=True) for uid in (1, 2)]
+        await until(lambda: stage.waiting == 1)  # one decodes, the other waits its turn
+        t0 = time.monotonic()
+        assert await stage.result(stage.submit(3, lambda: "text", far)) == "text"
+        assert time.monotonic() - t0 < 5 and not any(c.future.done() for c in clips)
+        release.set()
+        assert [await stage.result(c) for c in clips] == ["slow", "slow"]
+        stage.close()
+
+    asyncio.run(scenario())
