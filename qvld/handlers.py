@@ -410,9 +410,12 @@ def _prompt_text(messages: Any) -> str:
     return " | ".join(str(p) for p in parts)
 
 
-def _has_media(messages: list[dict[str, Any]]) -> bool:
+def _has_media(messages: Any) -> bool:
     """Whether a request's messages hold images or video (their decoding is the prepare
-    stage's long work)."""
+    stage's long work). Not checked yet: anything malformed is the prepare's to refuse."""
+    if not isinstance(messages, list):
+        return False
     return any(isinstance(part, dict) and part.get("type") in ("image", "video")
-               for message in messages if isinstance(message.get("content"), list)
+               for message in messages if isinstance(message, dict)
+               and isinstance(message.get("content"), list)
                for part in message["content"])
