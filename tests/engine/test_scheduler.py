@@ -228,3 +228,50 @@ def test_generations_that_outgrow_the_pool_are_preempted_and_no_token_changes(
     assert results[1].token_ids == alone.generate(sampled).token_ids
     assert all(r.usage.completion_tokens == 500 for r in results)
     assert engine.blocks.stats()["held"] == 0
+
+
+def test_another_users_long_prompts_take_a_share_of_the_steps_an_answer_is_in(
+        alone: Engine) -> None:
+    """#46 item 8: bob's ~2 900-token prompts went into alice's every step 512 rows at a
+    time (her answer 11.5x slower). Now, once the loop has seen what a row and a
+    decoding step cost, his rows beside her token are bounded to cost about one
+    decoding step (``StepCost``), his prompts still all answered, her tokens unchanged."""
+    from qvld.engine.loop.scheduler import MIN_SHARED_ROWS
+
+    engine = Engine(parity_config(TINY, infer_requests=2, max_sequences=4))
+    loop = engine.batch
+    assert loop is not None
+    chunk = engine.config.engine.prefill_chunk
+    answer = ask(240)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta",
+             "iota", "kappa", "lambda", "mu"]
+    long_prompts = [GenerateRequest(messages=[{"role": "user", "content": " ".join(
+        words[(i * 5 + k) % len(words)] for i in range(650))}], max_tokens=1)
+        for k in range(3)]
+    # (bob's rows, the bound it was planned with) of each step alice decoded in.
+    beside: list[tuple[int, int | None]] = []
+    before: list[tuple[bool, int | None]] = [(False, None)]  # as the last step left it
+
+    def on_step(sequences: int, prefill_rows: int) -> None:
+        decoding, bound = before[0]
+        if decoding:
+            beside.append((prefill_rows, bound))
+        running, _ = loop.view
+        before[0] = (any(s.uid == ALICE and not s.in_prompt for s in running),
+                     loop.scheduler.cost.rows_within(2.0))
+
+    loop.on_step = on_step
+    alices = submit(engine, answer, ALICE)
+    wait_for(lambda: len(beside) >= 8, 60, "alice decoding alone a few steps")
+    bobs = [submit(engine, request, BOB) for request in long_prompts]
+    results = [gen.future.result(120) for gen in bobs]
+    assert all(r.usage.prompt_tokens > 2 * chunk for r in results)
+    mine = alices.future.result(120)
+    assert mine.token_ids == alone.generate(answer).token_ids
+    fed = [(rows, bound) for rows, bound in beside if rows]
+    assert fed, "bob's prompts never went in beside alice's answer"
+    # The first of his steps tells what a row costs; from then on each is bounded.
+    measured = fed[1:]
+    assert measured and all(bound is not None and rows <= max(bound, MIN_SHARED_ROWS)
+                            for rows, bound in measured), fed
+    assert max(rows for rows, _ in measured) < chunk // 2, fed

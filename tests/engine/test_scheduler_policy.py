@@ -12,7 +12,7 @@ import pytest
 
 from qvld.engine.decoding.generation import Prompt
 from qvld.engine.loop.blocks import BlockPool
-from qvld.engine.loop.scheduler import Plan, StepScheduler
+from qvld.engine.loop.scheduler import MIN_SHARED_ROWS, Plan, StepCost, StepScheduler
 from qvld.engine.loop.sequence import Sequence
 
 BLOCK = 4
@@ -308,3 +308,88 @@ def test_a_cancelled_sequence_leaves_in_every_state_with_its_blocks(state: str) 
     assert seq.lease.blocks == []
     s.take_all()
     assert s.pool.stats()["held"] == 0
+
+
+def test_step_cost_learns_a_decoding_step_and_a_row_from_the_steps_run() -> None:
+    cost = StepCost()
+    assert cost.rows_within(2.0) is None  # nothing seen yet: nothing bounded
+    cost.observe(1, 0, 0.010)  # a decoding step: 10 ms
+    assert cost.rows_within(2.0) is None  # no row's cost seen yet
+    cost.observe(0, 8, 0.050)  # too few rows to tell a row's cost
+    assert cost.rows_within(2.0) is None
+    cost.observe(1, 200, 0.110)  # 100 ms beyond the decoding step: 0.5 ms a row
+    assert cost.row_s == pytest.approx(0.0005)
+    assert cost.rows_within(2.0) == 20  # 10 ms more: one more decoding step
+    assert cost.rows_within(1.5) == MIN_SHARED_ROWS  # 10 rows: never below the floor
+
+
+def decoding_beside(s: StepScheduler, prompt: int) -> tuple[Sequence, Sequence]:
+    """Alice decoding; then bob's prompt of ``prompt`` rows admitted beside her."""
+    alice = make_seq(s.pool, ALICE, 2, answer=1000)
+    s.add(alice)
+    step(s)
+    bob = make_seq(s.pool, BOB, prompt, answer=2)
+    s.add(bob)
+    return alice, bob
+
+
+def test_another_users_prompt_rows_beside_a_decoding_user_take_one_share_of_the_step(
+        ) -> None:
+    """#46 item 8: one user's long prompts fed 512 rows into every step another user's
+    token was in (11.5x slower answers); now they add what costs one decoding step."""
+    s = new(blocks=512, max_batch_tokens=512, chunk=512)
+    s.cost.decode_s, s.cost.row_s = 0.010, 0.0005  # 20 rows cost one decoding step
+    alice, bob = decoding_beside(s, 300)
+    fed = []
+    while bob.prefilling:
+        plan, _ = step(s)
+        assert plan.rows[0] == (alice, 1)  # her token in every step
+        fed.append(dict(plan.rows).get(bob, 0))
+    assert fed == [20] * 15  # in, all of it, a share at a time
+    # Alone he is not bounded: his next prompt goes in whole chunks.
+    alice.decoding.stop = True  # type: ignore[attr-defined]
+    step(s)
+    carol_free = make_seq(s.pool, BOB, 300, answer=2)
+    s.add(carol_free)
+    plan, _ = step(s)
+    assert dict(plan.rows)[carol_free] == 300
+
+
+def test_the_prompt_share_is_one_users_whatever_the_number_of_users_decoding() -> None:
+    s = new(blocks=512, max_batch_tokens=512, chunk=512)
+    s.cost.decode_s, s.cost.row_s = 0.010, 0.0005
+    _, bob = decoding_beside(s, 300)
+    carol = make_seq(s.pool, CAROL, 2, answer=1000)
+    s.add(carol)
+    plan, _ = step(s)
+    assert dict(plan.rows)[bob] == 20  # the share is all his: carol's turn is next
+    plan, _ = step(s)
+    assert dict(plan.rows)[carol] == 2 and dict(plan.rows)[bob] == 18  # shared
+    plan, _ = step(s)  # two users decode: 1 + 1/2 decoding steps, 10 rows; the floor
+    assert dict(plan.rows)[bob] == MIN_SHARED_ROWS
+
+
+def test_a_lone_users_prompt_beside_its_own_answer_is_not_bounded() -> None:
+    s = new(blocks=512, max_batch_tokens=512, chunk=512)
+    s.cost.decode_s, s.cost.row_s = 0.010, 0.0005
+    alice = make_seq(s.pool, ALICE, 2, answer=1000)
+    s.add(alice)
+    step(s)
+    more = make_seq(s.pool, ALICE, 300, answer=2)
+    s.add(more)
+    plan, _ = step(s)
+    assert plan.rows == [(alice, 1), (more, 300)]
+
+
+def test_prompt_rows_go_first_to_the_user_who_got_them_least_recently() -> None:
+    """Bob's long prompts no longer hold carol's short one back for several steps."""
+    s = new(blocks=512, max_batch_tokens=8, chunk=8)
+    bob1, bob2 = make_seq(s.pool, BOB, 40), make_seq(s.pool, BOB, 40)
+    s.add(bob1)
+    s.add(bob2)
+    plan, _ = step(s)
+    assert plan.rows == [(bob1, 8)]
+    carol = make_seq(s.pool, CAROL, 4)
+    s.add(carol)
+    plan, _ = step(s)
+    assert plan.rows == [(carol, 4), (bob1, 4)]  # carol's turn first, bob's after

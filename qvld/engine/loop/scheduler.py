@@ -41,8 +41,16 @@ user holding the most running sequences gives way first.**
   token ids are those it would have produced uninterrupted (vLLM's recompute).
 - **Rows of a step**: every decoding sequence's next token, and the runs of tokens a
   response format forced (each whole, up to ``engine.prefill_chunk``), then prompt
-  chunks of prefilling ones in admission order (at most ``engine.prefill_chunk``
-  each).
+  chunks of prefilling ones (at most ``engine.prefill_chunk`` each), the user who
+  least recently got such rows first (then in admission order): one user's long
+  prompts do not hold another's short one back for several steps.
+- **Compute is shared too**: while users decode, the rows other users' prompts add to
+  a step are bounded so that together they take one user's share of its time: with
+  ``U`` users decoding, a step costs about ``1 + 1/U`` decoding steps (``StepCost``
+  learns what a decoding step and a row cost from the steps the loop ran). One user's
+  stream of long prompts then slows another's answer about 2x, not by a whole prompt
+  chunk in every step (it was 11.5x: #46); the prompts still go in, in more steps. A
+  lone user's own prompts and answers are not bounded against each other.
 
 Sequences whose client left or whose deadline passed leave at the next step, running
 or waiting.
@@ -57,6 +65,41 @@ from dataclasses import dataclass, field
 
 from qvld.engine.loop.blocks import BlockPool
 from qvld.engine.loop.sequence import Sequence
+
+# At least this many rows of other users' prompts go in a step beside decoding
+# sequences, however costly a row is (a prompt is never starved).
+MIN_SHARED_ROWS = 16
+
+
+class StepCost:
+    """What a step costs, as moving averages of the steps the loop ran: a decoding
+    step's seconds (steps that fed decoding tokens only) and a row's beyond that (steps
+    that fed at least ``ROWS_TO_MEASURE`` other rows)."""
+
+    WEIGHT = 0.1  # of the newest step in each average
+    ROWS_TO_MEASURE = 64
+
+    def __init__(self) -> None:
+        self.decode_s: float | None = None
+        self.row_s: float | None = None
+
+    def observe(self, decoding: int, others: int, seconds: float) -> None:
+        """A step fed ``decoding`` decoding tokens and ``others`` other rows."""
+        if not others and decoding:
+            self.decode_s = self._average(self.decode_s, seconds)
+        elif others >= self.ROWS_TO_MEASURE and self.decode_s is not None:
+            row_s = max(seconds - self.decode_s, 0.0) / others
+            self.row_s = self._average(self.row_s, row_s)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.WEIGHT * (new - old)
+
+    def rows_within(self, factor: float) -> int | None:
+        """Rows a decoding step may take on and cost at most ``factor`` of one (at
+        least MIN_SHARED_ROWS); None until both costs were seen."""
+        if self.decode_s is None or not self.row_s:
+            return None
+        return max(MIN_SHARED_ROWS, int((factor - 1.0) * self.decode_s / self.row_s))
 
 
 @dataclass
@@ -83,6 +126,9 @@ class StepScheduler:
         self.peak_sequences = 0
         self._admissions = 0
         self._last_admitted: dict[int, int] = {}  # uid -> when it last got a place
+        self.cost = StepCost()  # told by the loop after each step (``observe``)
+        self._plans = 0
+        self._rows_given: dict[int, int] = {}  # uid -> the last plan giving it such rows
 
     def fits(self, seq: Sequence) -> bool:
         """Whether ``seq`` could ever run: its prompt and max_tokens within the whole
@@ -114,6 +160,11 @@ class StepScheduler:
             seq.token = None
         seq.fed += rows
         self.pool.publish(seq.lease, seq.keys, seq.owner, seq.fed)
+
+    def observe(self, decoding: int, others: int, seconds: float) -> None:
+        """A step fed ``decoding`` decoding tokens and ``others`` other rows in
+        ``seconds`` (the loop's measure, planning and sampling included)."""
+        self.cost.observe(decoding, others, seconds)
 
     def snapshot(self) -> tuple[list[Sequence], list[Sequence]]:
         """(running, waiting)."""
@@ -156,15 +207,25 @@ class StepScheduler:
         # decoding sequence is not held back by others' prompts.
         runnable = [s for s in self._running if not s.outside]
         order = ([s for s in runnable if s.token is not None]
-                 + sorted((s for s in runnable if s.token is None), key=lambda s: s.in_prompt))
+                 + sorted((s for s in runnable if s.token is None),
+                          key=lambda s: (s.in_prompt, self._rows_given.get(s.uid, -1))))
+        decoding = {s.uid for s in runnable if s.token is not None}
+        # Rows beside other users' decoding sequences, shared by all who add them.
+        shared = self.cost.rows_within(1.0 + 1.0 / len(decoding)) if decoding else None
         for seq in order:
             if budget <= 0 or seq not in self._running:  # preempted for a block meanwhile
                 continue
             n = 1 if seq.token is not None else min(budget, self.chunk,
                                                     len(seq.keys) - seq.fed)
+            if seq.token is None and shared is not None and decoding - {seq.uid}:
+                n = min(n, shared)
+                shared -= n
             if n > 0 and self._room(seq, seq.fed + n, plan):
                 plan.rows.append((seq, n))
                 budget -= n
+                if seq.token is None:
+                    self._rows_given[seq.uid] = self._plans
+        self._plans += 1
         return plan
 
     def _room(self, seq: Sequence, rows: int, plan: Plan) -> bool:

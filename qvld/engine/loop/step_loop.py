@@ -282,6 +282,7 @@ class StepLoop:
         self.view = (tuple(running), tuple(waiting))
 
     def _step(self) -> bool:
+        t_plan = time.perf_counter()
         plan = self.scheduler.schedule()
         for seq in plan.stopped:
             seq.decoding.cancel()
@@ -337,6 +338,9 @@ class StepLoop:
                 self._await_format(seq)
             else:
                 self._choose(seq, np.array(logits[i]))
+        # What the step cost a decoding sequence in it: the scheduler shares compute by it.
+        self.scheduler.observe(len(decoders), int(counts.sum()) - len(decoders),
+                               time.perf_counter() - t_plan)
         if self.on_step is not None:
             self._publish()  # what the hook reads (a test's step gate) is this step's
             self.on_step(len(rows), prefill_rows)
