@@ -118,11 +118,14 @@ do_install() {
   fi
   rm -f "$dist"
 
-  if command -v systemd-sysusers >/dev/null; then
-    systemd-sysusers ${destdir:+--root="$destdir"} /usr/lib/sysusers.d/qvld.conf
+  # The user and the state directories belong to the machine that runs qvld: a staged
+  # tree (--destdir, for a package) holds no /etc/passwd to add them to; that machine's
+  # systemd-sysusers and systemd-tmpfiles make them from the files installed above.
+  if [ -z "$destdir" ] && command -v systemd-sysusers >/dev/null; then
+    systemd-sysusers /usr/lib/sysusers.d/qvld.conf
   fi
-  if command -v systemd-tmpfiles >/dev/null; then
-    systemd-tmpfiles ${destdir:+--root="$destdir"} --create /usr/lib/tmpfiles.d/qvld.conf
+  if [ -z "$destdir" ] && command -v systemd-tmpfiles >/dev/null; then
+    systemd-tmpfiles --create /usr/lib/tmpfiles.d/qvld.conf
   fi
   if systemd_running; then
     systemctl daemon-reload

@@ -64,10 +64,20 @@ set -e
 # This machine is a Docker image, whose policy-rc.d forbids maintainer scripts to start
 # services (deb-systemd-invoke honours it, as it must); a real host has none.
 rm -f /usr/sbin/policy-rc.d
-apt-get install -y -q {first} >/dev/null
+apt-get install -y -q {first} >/dev/null 2>/tmp/apt.err
+""")
+        # No model yet: the socket is enabled but not started (a client would start a
+        # daemon that exits at once), and the admin is told what to do.
+        assert machine.run("systemctl is-active qvld.socket", check=False
+                           ).stdout.strip() == "inactive"
+        assert machine.run("systemctl is-enabled qvld.socket").stdout.strip() == "enabled"
+        assert "then: systemctl start qvld.socket" in machine.run("cat /tmp/apt.err").stdout
+        machine.run(f"""
+set -e
 cp -r {ROOT}/tests/fixtures/models/tiny /var/lib/qvld/models/qwen3-vl-2b
 chown -R qvld:qvld /var/lib/qvld/models
 sed -i 's|^  listen: .*|  listen: ""  # edited by the admin|' /etc/qvld/qvld.yaml
+systemctl start qvld.socket
 """)
         assert machine.run("systemctl is-active qvld.socket").stdout.strip() == "active"
         # The generated manual pages render from where the package put them; completion

@@ -17,6 +17,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.conftest import wait_for
 from tests.test_http import RECEIPT, HttpDaemon
 
 ORIGIN = "http://localhost:3000"
@@ -307,6 +308,12 @@ def test_the_web_page_is_served_with_a_strict_policy_and_cached(daemon: HttpDaem
     assert total < 64 * 1024  # a few tens of KB
     assert daemon.request("GET", "/ui/../qvld.yaml")[0] == 404
     assert daemon.request("GET", "/ui/nothing.js")[0] == 404
+    # What a browser asks for whatever the page links is the page's icon, logged as
+    # the web page's (it was a 404 under op="unknown").
+    status, headers, _ = daemon.request("GET", "/favicon.ico")
+    assert status == 200 and headers["Content-Type"] == "image/svg+xml"
+    wait_for(lambda: "GET /favicon.ico user=- op=web outcome=ok" in daemon.log(), 10,
+             "the icon's request logged as the page's")
 
 
 def test_a_clip_through_qvlctl_and_http_video_url(daemon: HttpDaemon, tmp_path: Any) -> None:

@@ -72,6 +72,11 @@ for f in {" ".join(INSTALLED)}; do test -e $f && echo "left $f"; done
 test -d /etc/qvld && test -e /var/lib/qvld/models/mine/weights.bin && echo kept-data
 packaging/install.sh --uninstall --purge
 test -e /etc/qvld || test -e /var/lib/qvld || echo purged
+echo "== destdir"
+packaging/install.sh --destdir /tmp/stage >/dev/null 2>&1; echo "destdir-rc $?"
+for f in {" ".join(INSTALLED)}; do test -e /tmp/stage$f || echo "missing $f"; done
+test -e /tmp/stage/etc/passwd && echo "users made in the staged tree"
+getent passwd qvld >/dev/null && echo "user made on this machine"
 """
     out = sandbox.run_in_sandbox(script)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -93,6 +98,9 @@ test -e /etc/qvld || test -e /var/lib/qvld || echo purged
     assert "kept-edit" in text
     uninstall = sections["after uninstall"]
     assert "left " not in uninstall and "kept-data" in uninstall and "purged" in uninstall
+    # A staged tree for a package (it failed at systemd-sysusers on Debian 12: #46): all
+    # the files, no users or state directories made in it or on this machine.
+    assert sections["destdir"].strip() == "destdir-rc 0", sections["destdir"]
 
 
 def test_units_name_what_the_installer_installs() -> None:

@@ -326,6 +326,7 @@ class HttpFront:
             app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/", self.web_page)  # http.web_ui, checked per request
         app.router.add_get("/ui/{name}", self.web_page)
+        app.router.add_get("/favicon.ico", self.web_page)
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True,
             keepalive_timeout=self.config.read_timeout_s, max_field_size=8190,

@@ -43,6 +43,9 @@ def load_assets() -> dict[str, Asset]:
         etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
         path = "/" if entry.name == "index.html" else f"/ui/{entry.name}"
         assets[path] = Asset(body, TYPES[suffix], etag)
+    # Browsers ask for /favicon.ico whatever the page links (bookmarks, tab restores):
+    # the page's icon, not a 404 logged under no op.
+    assets["/favicon.ico"] = assets["/ui/icon.svg"]
     return assets
 
 
