@@ -393,3 +393,20 @@ def test_prompt_rows_go_first_to_the_user_who_got_them_least_recently() -> None:
     s.add(carol)
     plan, _ = step(s)
     assert plan.rows == [(carol, 4), (bob1, 4)]  # carol's turn first, bob's after
+
+
+def test_a_sequence_running_on_another_thread_is_stopped_once_it_is_back() -> None:
+    """A prompt prefilled by another runtime, or a token chosen on the matcher lane
+    (``outside``): its client leaving must not hand its blocks to someone else while
+    that thread may still write them, nor end it while its decoding still chooses."""
+    s = new()
+    seq = make_seq(s.pool, ALICE, 4, answer=100)
+    s.add(seq)
+    step(s)
+    seq.outside = True
+    seq.decoding.stop = True  # type: ignore[attr-defined]
+    plan, _ = step(s)
+    assert plan.stopped == [] and seq in running(s) and seq.lease.blocks
+    seq.outside = False  # back (the loop's ``joined`` or ``_chosen``)
+    plan, _ = step(s)
+    assert plan.stopped == [seq] and seq.lease.blocks == []

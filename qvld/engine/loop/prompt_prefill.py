@@ -7,23 +7,22 @@ prompt in about half OpenVINO's time on a CPU without VNNI, where OpenVINO multi
 f32; OpenVINO keeps decoding, where continuous batching runs every generation's next
 token in one pass over the weights.
 
-``PromptPrefills`` runs them on a thread of its own (``qvld-prefill``) with a prompt slot
-of its own, one at a time (each runs on every core), in the order the step loop admitted
-them: the scheduler already decided who goes first, so an admitted sequence, holding its
-place and blocks, never waits for a slot worker behind other users' image encodes. The
-thread starts with the first prefill and ends when none is left. While a sequence is
+``PromptPrefills`` runs them on a lane of its own (``lane.Lane``: the thread
+``qvld-prefill``) with a prompt slot of its own, one at a time (each runs on every core),
+in the order the step loop admitted them: the scheduler already decided who goes first,
+so an admitted sequence, holding its place and blocks, never waits for a slot worker
+behind other users' image encodes. While a sequence is
 here it is ``outside``: the step loop does not touch it until ``joined`` is posted back.
 """
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from qvld.engine.loop.lane import Lane
 from qvld.engine.loop.sequence import Sequence
 from qvld.engine.model.interface import PagedModel, RowsSlot
 
@@ -68,9 +67,7 @@ class PromptPrefills:
         self.chunk = chunk
         self.runtime = runtime  # the prompt runtime's name, for status and metrics
         self.joined = joined
-        self._lock = threading.Lock()
-        self._queue: collections.deque[Sequence] = collections.deque()
-        self._thread: threading.Thread | None = None
+        self._lane = Lane("qvld-prefill")
 
     @property
     def busy_since(self) -> float | None:
@@ -79,24 +76,13 @@ class PromptPrefills:
 
     def submit(self, seq: Sequence) -> None:
         """Prefill ``seq`` after those handed over before it; ``joined`` tells the end."""
-        with self._lock:
-            self._queue.append(seq)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="qvld-prefill",
-                                                daemon=True)
-                self._thread.start()
+        self._lane.submit(lambda: self._prefill(seq))
 
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._thread = None
-                    return
-                seq = self._queue.popleft()
-            fed, error = False, None
-            try:  # one that stopped while it waited here is dropped unfed
-                if not seq.decoding.should_stop():
-                    fed = prefill_elsewhere(self.slot, self.model, seq, self.chunk)
-            except Exception as exc:  # the runtime failed: this sequence ends with it
-                error = exc
-            self.joined(seq, fed, error)
+    def _prefill(self, seq: Sequence) -> None:
+        fed, error = False, None
+        try:  # one that stopped while it waited here is dropped unfed
+            if not seq.decoding.should_stop():
+                fed = prefill_elsewhere(self.slot, self.model, seq, self.chunk)
+        except Exception as exc:  # the runtime failed: this sequence ends with it
+            error = exc
+        self.joined(seq, fed, error)

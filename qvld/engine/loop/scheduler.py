@@ -193,7 +193,9 @@ class StepScheduler:
     def schedule(self) -> Plan:
         """The next step: who left, who is admitted (or preempted), and the rows."""
         plan = Plan()
-        for seq in [s for s in self._running if s.decoding.should_stop()]:
+        # One running on another thread (``outside``) is stopped once it is back: its
+        # blocks may still be written and its decoding is still choosing.
+        for seq in [s for s in self._running if not s.outside and s.decoding.should_stop()]:
             self.finish(seq)
             plan.stopped.append(seq)
         for seq in [s for s in self._iter_waiting() if s.decoding.should_stop()]:

@@ -43,7 +43,13 @@ class Sequence:
     on_prefilled: Callable[[], None] | None = None
     # Prefilled by another runtime (model.prompt_backend) once admitted.
     prefill_outside: bool = False
-    outside: bool = False  # that prefill is running: not in the step's plan
+    # That prefill, or a choice of its next token (``slow_choice``), is running on
+    # another thread: not in the step's plan, not stopped or preempted until it is back.
+    outside: bool = False
+    # Its response format's matcher took long over one token: its next tokens are
+    # chosen on the step loop's matcher lane, beside the steps, not in them.
+    slow_choice: bool = False
+    ended: bool = False  # ``on_done`` was called
     fed: int = 0
     keys: list[RowKey] = field(default_factory=list)
     token: int | None = None  # chosen, not yet fed (nothing else is waiting to be)

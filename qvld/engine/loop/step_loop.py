@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from qvld.engine.loop.blocks import BlockPool
+from qvld.engine.loop.lane import Lane
 from qvld.engine.loop.prompt_prefill import PromptPrefills
 from qvld.engine.loop.scheduler import StepScheduler
 from qvld.engine.loop.sequence import Sequence
@@ -41,6 +42,14 @@ from qvld.engine.model.interface import PagedModel, RowsSlot
 from qvld.errors import BadRequest, InternalError
 
 log = logging.getLogger("qvld.engine")
+
+# A token choice whose matcher work took more CPU time than this on the step thread (or
+# half a decoding step, if more) makes its sequence's later choices go beside the steps.
+SLOW_CHOICE_S = 0.001
+# Their lane yields the cores to the steps: a matcher's work is what the cores have
+# left over while others decode (2 cores: a lane at the same priority halved a step's
+# threads and slowed another user's answer 7.9x).
+MATCHER_NICE = 10
 
 
 class StepLoop:
@@ -77,6 +86,9 @@ class StepLoop:
             prompt_slot, model, chunk, prompt_runtime,
             lambda seq, fed, error: self.joined(seq, fed, prompt_runtime, error))
         self.outside_runtime = prompt_runtime if prompt_slot is not None else runtime
+        # Token choices of sequences whose response format is slow to follow, beside the
+        # steps: one answer's costly grammar does not hold everyone's step.
+        self.matchers = Lane("qvld-matcher", nice=MATCHER_NICE)
         self._cond = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._held = False  # steps held (``hold``): the inbox is still drained
@@ -158,20 +170,26 @@ class StepLoop:
         """Each generation admitted or waiting for a place: rows fed, tokens so far,
         state and the runtime computing it, for status."""
         running, waiting = self.view
-        states = ["prefill" if s.in_prompt or s.outside else "decode" for s in running]
+        states = ["prefill" if s.in_prompt or self._prefilled_outside(s) else "decode"
+                  for s in running]
         states += ["waiting"] * len(waiting)
         return [{"uid": s.uid, "prompt_tokens": len(s.prompt.ids), "cached_tokens": s.cached,
                  "fed_tokens": s.fed, "generated_tokens": s.generated, "state": state,
                  "preemptions": s.preemptions,
-                 "runtime": self.outside_runtime if s.outside else self.runtime}
+                 "runtime": (self.outside_runtime if self._prefilled_outside(s)
+                             else self.runtime)}
                 for s, state in zip([*running, *waiting], states, strict=True)]
 
     def counts(self) -> tuple[int, int]:
         """(decoding, prefilling) sequences admitted, those prefilled by another runtime
         included."""
         running, _ = self.view
-        prefilling = sum(1 for s in running if s.in_prompt or s.outside)
+        prefilling = sum(1 for s in running if s.in_prompt or self._prefilled_outside(s))
         return len(running) - prefilling, prefilling
+
+    @staticmethod
+    def _prefilled_outside(seq: Sequence) -> bool:
+        return seq.outside and not seq.slow_choice
 
     def queued(self) -> tuple[int, int]:
         """(running, waiting) sequences, as last published."""
@@ -196,6 +214,8 @@ class StepLoop:
 
     def _joined(self, seq: Sequence, fed: bool, runtime: str,
                 error: BaseException | None) -> None:
+        if seq.ended:  # a runtime failure ended every sequence meanwhile
+            return
         if self.on_prefill is not None and seq.fed > seq.cached:
             self.on_prefill(runtime, seq.fed - seq.cached)
         if fed and error is None:
@@ -349,9 +369,50 @@ class StepLoop:
         return True
 
     def _choose(self, seq: Sequence, logits: np.ndarray) -> None:
-        """``seq``'s next token(s) from ``logits``; ended when a stop rule fired."""
+        """``seq``'s next token(s) from ``logits``; ended when a stop rule fired. A
+        sequence whose response format was slow to follow chooses on the matcher lane,
+        out of the steps until it is back (``_chosen``); one becomes slow when a choice
+        here took more than ``SLOW_CHOICE_S`` or half a decoding step."""
+        if seq.slow_choice:
+            self._choose_aside(seq, logits)
+            return
+        t0 = time.thread_time()
         try:
-            seq.take(seq.decoding.accept(logits))
+            tokens = seq.decoding.accept(logits)
+        except Exception as exc:
+            self._took(seq, None, exc)
+            return
+        if seq.decoding.constraint is not None and time.thread_time() - t0 > max(
+                SLOW_CHOICE_S, 0.5 * (self.scheduler.cost.decode_s or 0.0)):
+            seq.slow_choice = True
+        self._took(seq, tokens, None)
+
+    def _choose_aside(self, seq: Sequence, logits: np.ndarray) -> None:
+        seq.outside = True
+
+        def choose() -> None:
+            tokens, error = None, None
+            try:
+                tokens = seq.decoding.accept(logits)
+            except Exception as exc:  # posted back: the step thread ends the sequence
+                error = exc
+            self._post(lambda: self._chosen(seq, tokens, error))
+
+        self.matchers.submit(choose)
+
+    def _chosen(self, seq: Sequence, tokens: list[int] | None,
+                error: BaseException | None) -> None:
+        seq.outside = False
+        if not seq.ended:  # a runtime failure may have ended every sequence meanwhile
+            self._took(seq, tokens, error)
+
+    def _took(self, seq: Sequence, tokens: list[int] | None,
+              error: BaseException | None) -> None:
+        """What ``seq``'s decoding chose (or raised): fed next, or its end."""
+        try:
+            if error is not None:
+                raise error
+            seq.take(tokens)
             if seq.decoding.finish is None and seq.token is None and not seq.prefilling:
                 # Nothing to feed and not ended: it would hold its place and blocks,
                 # never stepped again, until its deadline. A bug; end it loudly.
@@ -375,5 +436,6 @@ class StepLoop:
         seq.error = error
         if seq.decoding.constraint is not None:  # a compile nobody waits for may stop
             seq.decoding.constraint.abandon()
+        seq.ended = True
         if seq.on_done is not None:
             seq.on_done(seq)
