@@ -186,6 +186,12 @@ TOOLS = ToolSet(tuple(parse_tools([WEATHER, TIME]).tools))  # type: ignore[union
     ('<tool_call>\n{"name": "get_time"}\n</tool_call>', None),
     ("<tool_call>\nnot json\n</tool_call>", None),
     ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call> and more', None),
+    # The model's JSON as written (#47): never re-serialised, so 8e5 stays 8e5 and a
+    # number past a double's range stays a number, not Python's Infinity.
+    ('<tool_call>\n{"name":"get_time","arguments":{"zone": 8e5, "n": 1e999}}\n</tool_call>',
+     ("", [("get_time", '{"zone": 8e5, "n": 1e999}')])),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"n": NaN}}\n</tool_call>', None),
+    ('<tool_call>\n{"name": "get_time", "arguments": {}, "name": "x"}\n</tool_call>', None),
 ])
 def test_split_calls_is_all_or_nothing(text: str, expected: Any) -> None:
     split = split_calls(text, TOOLS)
@@ -259,6 +265,27 @@ def test_every_sampled_call_ends_the_seed_that_stalled_included(batching: bool) 
         ended.append((seed, result.finish_reason, result.usage.completion_tokens))
     assert all(reason in ("length", "tool_calls") for _, reason, _ in ended), ended
     assert all(tokens <= 64 for _, _, tokens in ended)
+
+
+def test_sampled_call_arguments_always_parse_as_strict_json(tiny_engine: Engine) -> None:
+    """#47: arguments were parsed and re-serialised by Python: 14 of 20 seeded
+    ``add(a, b)`` calls carried ``Infinity``, which JavaScript, Go and serde reject.
+    Every call's arguments now parse with a strict parser (no NaN, no Infinity)."""
+    def strict(literal: str) -> Any:
+        raise ValueError(literal)
+
+    calls = 0
+    for seed in range(20):
+        request, _ = parse_generate({
+            "messages": [{"role": "user", "content": "add 2 and 3"}],
+            "tools": [ADD], "tool_choice": "required", "max_tokens": 96,
+            "temperature": 1.0, "seed": seed})
+        result = tiny_engine.submit(tiny_engine.prepare(request)).future.result(60)
+        for call in result.tool_calls or []:
+            calls += 1
+            arguments = json.loads(call.arguments, parse_constant=strict)
+            assert set(arguments) == {"a", "b"}, call.arguments
+    assert calls >= 10  # most seeds close their call within the budget
 
 
 def test_a_sequence_that_cannot_advance_ends_with_an_internal_error(

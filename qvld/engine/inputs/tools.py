@@ -219,19 +219,64 @@ def split_calls(text: str, tools: ToolSet) -> tuple[str, list[ToolCall]] | None:
         end = rest.find(CALL_CLOSE)
         if end < 0:
             return None  # cut off before its end
-        try:
-            call = json.loads(rest[len(CALL_OPEN):end])
-        except (ValueError, RecursionError):
+        call = _members(rest[len(CALL_OPEN):end])
+        if call is None or set(call) != {"name", "arguments"} \
+                or call["name"][0] not in names or not isinstance(call["arguments"][0], dict):
             return None
-        if not isinstance(call, dict) or set(call) != {"name", "arguments"} \
-                or call["name"] not in names or not isinstance(call["arguments"], dict):
-            return None
-        calls.append(ToolCall(call["name"], json.dumps(call["arguments"],
-                                                       ensure_ascii=False)))
+        # The arguments as the model wrote them: valid JSON, never re-serialised (8e5
+        # stays 8e5; a number past a double's range stays a number, not Infinity).
+        calls.append(ToolCall(call["name"][0], call["arguments"][1]))
         rest = rest[end + len(CALL_CLOSE):].lstrip("\n")
     if tools.mode == "named" or not tools.parallel:
         calls = calls[:1]
     return text[:start].rstrip("\n"), calls
+
+
+def _not_json(literal: str) -> Any:
+    raise ValueError(f"{literal} is not JSON")
+
+
+_STRICT = json.JSONDecoder(parse_constant=_not_json)  # NaN and Infinity are not JSON
+_SPACE = " \t\n\r"
+
+
+def _members(text: str) -> dict[str, tuple[Any, str]] | None:
+    """A JSON object's members: each value and its text as written; None when ``text``
+    is not one strict JSON object (or repeats a key)."""
+    try:
+        at = len(text) - len(text.lstrip(_SPACE))
+        if text[at:at + 1] != "{":
+            return None
+        at += 1
+        members: dict[str, tuple[Any, str]] = {}
+        while True:
+            while text[at:at + 1] in tuple(_SPACE):
+                at += 1
+            if text[at:at + 1] == "}" and not members:
+                at += 1
+                break
+            key, at = _STRICT.raw_decode(text, at)
+            while text[at:at + 1] in tuple(_SPACE):
+                at += 1
+            if not isinstance(key, str) or key in members or text[at:at + 1] != ":":
+                return None
+            at += 1
+            while text[at:at + 1] in tuple(_SPACE):
+                at += 1
+            value, end = _STRICT.raw_decode(text, at)
+            members[key] = (value, text[at:end])
+            at = end
+            while text[at:at + 1] in tuple(_SPACE):
+                at += 1
+            if text[at:at + 1] == "}":
+                at += 1
+                break
+            if text[at:at + 1] != ",":
+                return None
+            at += 1
+    except (ValueError, RecursionError):
+        return None
+    return members if not text[at:].strip(_SPACE) else None
 
 
 class HeldText:
