@@ -408,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling = argparse.ArgumentParser(add_help=False)
     sampling.add_argument("--max-tokens", dest="max_tokens", type=int,
                           help="tokens to generate at most (default: the daemon's "
-                               "engine.default_max_tokens)")
+                               "engine.default_max_tokens; unset, until the answer or "
+                               "the context ends)")
     sampling.add_argument("--temperature", type=float, help=f"0 = greedy ({model_default})")
     sampling.add_argument("--top-p", dest="top_p", type=float,
                           help=f"nucleus sampling mass, (0, 1] ({model_default})")

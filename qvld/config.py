@@ -106,8 +106,12 @@ class EngineConfig(_Section):
     # Decompression-bomb guard: images whose header declares more pixels are refused.
     max_decode_pixels: int = Field(64_000_000, ge=1)
     max_context_tokens: int = Field(8192, ge=16)
-    max_new_tokens: int = Field(512, ge=1)
-    default_max_tokens: int = Field(128, ge=1)
+    # An operator's cap on any request's max_tokens (0: none but the context's end), and
+    # max_tokens for a request that names none (0: until the model stops or the context
+    # ends, as vLLM and OpenAI do: preemption and per-user fairness bound what one long
+    # answer costs others).
+    max_new_tokens: int = Field(0, ge=0)
+    default_max_tokens: int = Field(0, ge=0)
     prefill_chunk: int = Field(512, ge=1)
     image_cache_mb: int = Field(256, ge=0)
     kv_cache_mb: int = Field(2048, ge=0)
@@ -170,7 +174,7 @@ class EngineConfig(_Section):
     def _defaults_within_limits(self) -> EngineConfig:
         if self.default_image_tokens > self.max_image_tokens:
             raise ValueError("default_image_tokens must not exceed max_image_tokens")
-        if self.default_max_tokens > self.max_new_tokens:
+        if self.max_new_tokens and self.default_max_tokens > self.max_new_tokens:
             raise ValueError("default_max_tokens must not exceed max_new_tokens")
         return self
 

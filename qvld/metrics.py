@@ -1,7 +1,8 @@
 """Prometheus metrics on an injected registry, and the HTTP exporter.
 
 Names follow Prometheus conventions (base units, ``_total`` counters, ``qvld_`` prefix).
-Label values never come from client input: ``api`` is ``socket`` or ``http``, ``op`` is a
+Label values never come from client input: ``api`` is ``socket``, ``http`` (the
+OpenAI-compatible API) or ``anthropic`` (the Messages API), ``op`` is a
 known op or ``unknown`` and ``outcome`` is ``ok``, ``cancelled`` or an error code.
 """
 
@@ -41,7 +42,7 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.
 # The HTTP front adds its own: a missing or wrong key, a path or method it does not serve.
 OUTCOMES = ("ok", "cancelled", *ERRORS_BY_CODE, "invalid_api_key", "not_found",
             "method_not_allowed")
-APIS = ("socket", "http")
+APIS = ("socket", "http", "anthropic")
 # What the HTTP front calls its routes in metrics (the chat completions are "generate").
 HTTP_OPS = frozenset({"generate", "health", "models", "metrics"})
 # Generations per batched step, and prompt rows fed per step.
@@ -210,7 +211,7 @@ class Metrics:
     def observe_request(self, op: object, outcome: str, seconds: float,
                         api: str = "socket") -> None:
         api = api if api in APIS else "socket"
-        label = op if api == "http" and isinstance(op, str) and op in HTTP_OPS \
+        label = op if api != "socket" and isinstance(op, str) and op in HTTP_OPS \
             else protocol.op_label(op)
         self.requests.labels(api, label, outcome_label(outcome)).inc()
         self.request_duration.labels(api, label).observe(seconds)

@@ -89,7 +89,9 @@ def test_unreadable_files_are_config_errors(tmp_path: Path, text: str) -> None:
 
 def test_cross_key_rules() -> None:
     with pytest.raises(ConfigError, match="default_max_tokens"):
-        load_config(None, ["engine.default_max_tokens=600"])
+        load_config(None, ["engine.max_new_tokens=512", "engine.default_max_tokens=600"])
+    # No cap by default (#47): any default is within it.
+    assert load_config(None, ["engine.default_max_tokens=600"]).engine.max_new_tokens == 0
 
 
 def qvld(*args: str) -> subprocess.CompletedProcess[str]:

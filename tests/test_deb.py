@@ -51,6 +51,10 @@ def debs() -> Iterator[tuple[Path, Path]]:
                                 env={**os.environ, "VERSION": version})
         assert result.returncode == 0, result.stderr
         built.append(Path(result.stdout.strip().splitlines()[-1]))
+    installed = subprocess.run(["dpkg-deb", "-f", str(built[0]), "Installed-Size"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    print(f"package: {built[0].stat().st_size / 1e6:.1f} MB, installed "
+          f"{int(installed) / 1024:.0f} MiB")  # the figures the README quotes
     yield built[0], built[1]
     shutil.rmtree(out, ignore_errors=True)
 
@@ -64,14 +68,14 @@ set -e
 # This machine is a Docker image, whose policy-rc.d forbids maintainer scripts to start
 # services (deb-systemd-invoke honours it, as it must); a real host has none.
 rm -f /usr/sbin/policy-rc.d
-apt-get install -y -q {first} >/dev/null 2>/tmp/apt.err
+apt-get install -y -q {first} >/tmp/apt.out 2>&1
 """)
         # No model yet: the socket is enabled but not started (a client would start a
         # daemon that exits at once), and the admin is told what to do.
         assert machine.run("systemctl is-active qvld.socket", check=False
                            ).stdout.strip() == "inactive"
         assert machine.run("systemctl is-enabled qvld.socket").stdout.strip() == "enabled"
-        assert "then: systemctl start qvld.socket" in machine.run("cat /tmp/apt.err").stdout
+        assert "then: systemctl start qvld.socket" in machine.run("cat /tmp/apt.out").stdout
         machine.run(f"""
 set -e
 cp -r {ROOT}/tests/fixtures/models/tiny /var/lib/qvld/models/qwen3-vl-2b

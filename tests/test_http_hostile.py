@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,8 +58,9 @@ def raw(daemon: HttpDaemon, data: bytes, timeout: float = 10) -> bytes:
         return out
 
 
-def post(body: bytes, headers: str = "") -> bytes:
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+def post(body: bytes, headers: str = "", path: str = "/v1/chat/completions") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\n".encode()
+            + b"Host: 127.0.0.1\r\nConnection: close\r\n"
             b"Content-Type: application/json\r\n" + headers.encode()
             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
 
@@ -94,6 +96,60 @@ def test_bad_bodies_get_typed_400s(daemon: HttpDaemon, body: bytes, code: str) -
     reply = raw(daemon, post(body))
     assert status_of(reply) == 400, reply[:300]
     assert error_of(reply)["code"] == code
+    still_serving(daemon)
+
+
+ASK = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def with_content(*blocks: dict[str, Any]) -> bytes:
+    return json.dumps({**ASK, "messages": [{"role": "user", "content": list(blocks)}]}
+                      ).encode()
+
+
+@pytest.mark.parametrize("body", [
+    b"{", b"[]", b"\xff\xfe{}", b"[" + b"[1]," * 70_000 + b"[1]]",
+    b"[" * 100_000 + b"]" * 100_000,
+    json.dumps({**ASK, "unknown_field": 1}).encode(),
+    b'{"model": "tiny", "max_tokens": 2, "max_tokens": 3, "messages": []}',
+    json.dumps({**ASK, "max_tokens": 10**12}).encode(),
+    json.dumps({**ASK, "temperature": 1e400}).encode().replace(b"Infinity", b"1e400"),
+    json.dumps({**ASK, "messages": [{"role": "user", "content": "\ud800"}]}).encode(),
+    with_content({"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                              "data": "bm90IGFuIGltYWdl"}}),
+    with_content({"type": "image", "source": {"type": "base64", "media_type": "image/svg",
+                                              "data": "PHN2Zz4="}}),
+    with_content({"type": "image", "source": {"type": "url",
+                                              "url": "http://169.254.169.254/latest"}}),
+    with_content({"type": "tool_use", "id": "x", "name": "add", "input": {}}),
+    with_content({"type": "tool_result", "tool_use_id": 7, "content": "5"}),
+    json.dumps({**ASK, "tools": [{"input_schema": {"type": "object"}}]}).encode(),
+    json.dumps({**ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}
+               ).encode(),
+    json.dumps({**ASK, "tool_choice": {"type": "tool"}}).encode(),
+    json.dumps({**ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}).encode(),
+    json.dumps({**ASK, "output_config": {"format": {"type": "json_schema",
+                                                    "schema": {"type": 7}}}}).encode(),
+])
+def test_bad_messages_bodies_get_the_anthropic_apis_400s(daemon: HttpDaemon,
+                                                         body: bytes) -> None:
+    """The Messages API front (#47): the same body bounds and typed refusals as chat
+    completions, in its own error shape; nothing else breaks."""
+    reply = raw(daemon, post(body, path="/v1/messages"))
+    assert status_of(reply) == 400, reply[:300]
+    answer = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+    assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    assert answer["error"]["message"]
+    still_serving(daemon)
+
+
+def test_a_messages_body_past_the_limit_gets_413_in_the_apis_shape(daemon: HttpDaemon
+                                                                   ) -> None:
+    big = with_content({"type": "text", "text": "x" * (2 << 20)})
+    reply = raw(daemon, post(big, path="/v1/messages"))
+    assert status_of(reply) == 413
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["type"] == \
+        "request_too_large"
     still_serving(daemon)
 
 

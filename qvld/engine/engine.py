@@ -277,14 +277,24 @@ class Engine:
                   and (embedding := self.images.peek((owner, image.digest))) is not None}
         if constraint is not None and constraint.failed():
             constraint.wait()  # a grammar that failed already fails before the queue
+        tokens = checked.max_tokens
+        if request.max_tokens is None:  # to the end of the room it has (not refused)
+            tokens = max(1, min(tokens, self.rows_room - len(history) - len(ids)))
         return PreparedRequest(request=request, uid=uid, params=checked.sampling,
-                               max_tokens=checked.max_tokens, ids=ids,
+                               max_tokens=tokens, ids=ids,
                                images=images, image_starts=starts,
                                prepare_s=time.perf_counter() - t0,
                                session=session, session_version=version,
                                history_tokens=len(history), session_reset=lost,
                                history_images=history_images, pinned=pinned,
                                constraint=constraint)
+
+    @property
+    def rows_room(self) -> int:
+        """The most rows one generation can hold: the context, within the KV cache."""
+        if self.blocks is None:
+            return self.max_context
+        return min(self.max_context, self.blocks.num_blocks * self.blocks.block_size)
 
     def _check_context(self, history: int, new: int) -> None:
         if history + new + 1 > self.max_context:

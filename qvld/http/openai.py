@@ -23,8 +23,10 @@ Extensions, as llama-server and vLLM accept them: ``top_k``, ``min_p``,
 from __future__ import annotations
 
 import binascii
+import json
 import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -491,6 +493,57 @@ def usage_chunk(result: dict[str, Any], cid: str, created: int, model: str
     """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [], "usage": usage(result), **_extras(result)}
+
+
+def sse(*events: dict[str, Any] | str, names: tuple[str | None, ...] = ()) -> bytes:
+    """Server-Sent Events: each a ``data:`` line (JSON, or a literal like ``[DONE]``),
+    after an ``event:`` line where ``names`` gives one (Anthropic's streams)."""
+    out = []
+    for i, event in enumerate(events):
+        name = names[i] if i < len(names) else None
+        data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False)
+        out.append((f"event: {name}\n" if name else "") + f"data: {data}\n\n")
+    return "".join(out).encode()
+
+
+class ChatReplies:
+    """How chat completions answer: a ``chat.completion``, or a stream of
+    ``chat.completion.chunk`` events (one role chunk per choice first, the content as
+    it comes, the calls and finish reasons, the usage when asked, ``[DONE]``)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chat: ChatRequest, model: str) -> None:
+        self.ident = (completion_id(), int(time.time()), model)
+        self.n = int(chat.params.get("n", 1))
+        self.include_usage = chat.include_usage
+
+    def whole(self, result: dict[str, Any]) -> bytes:
+        return json.dumps(completion(result, *self.ident), ensure_ascii=False).encode()
+
+    def first(self) -> bytes:
+        return sse(*(chunk(*self.ident, {"role": "assistant", "content": ""}, index=i)
+                     for i in range(self.n)))
+
+    def tokens(self, event: dict[str, Any]) -> bytes:
+        if not (event["text"] or event.get("logprobs")):  # ids alone (a held tool call)
+            return b""
+        return sse(chunk(*self.ident, {"content": event["text"]},
+                         logprobs=event.get("logprobs"), index=event.get("index", 0)))
+
+    def last(self, result: dict[str, Any]) -> bytes:
+        tail: list[dict[str, Any] | str] = []
+        for choice in choices(result):
+            i = choice["index"]
+            tail += [chunk(*self.ident, delta, index=i)
+                     for delta in call_deltas(choice.get("tool_calls") or [])]
+            tail.append(chunk(*self.ident, {}, choice["finish_reason"], index=i))
+        if self.include_usage:
+            tail.append(usage_chunk(result, *self.ident))
+        return sse(*tail, "[DONE]")
+
+    def failed(self, exc: QvlError) -> bytes:
+        return sse(error_body(exc)[1])
 
 
 def status_of(code: str) -> int:

@@ -58,8 +58,9 @@ from qvld.errors import (
 )
 from qvld.fairqueue import within_share
 from qvld.handlers import DaemonState
-from qvld.http import openai, sitecheck, webui
+from qvld.http import anthropic, openai, sitecheck, webui
 from qvld.http.body import BodyReader, check_content_encoding
+from qvld.http.dialect import Replies
 from qvld.http.fetch import ImageFetcher, normalize_host_pattern
 from qvld.http.identity import is_loopback, tcp_peer_uid, user_groups
 from qvld.http.keys import ApiKeys, KeyFileError, UserIds, parse_bearer
@@ -73,6 +74,8 @@ SESSION_HEADER = "X-Qvld-Session"
 JSON = "application/json"
 # on_reply(op, outcome, seconds, user id): the app's accounting, shared with the socket.
 OnReply = Callable[[str, str, float, int], None]
+# A dialect's error answer: (HTTP status, body) for a qvld error or an HTTP-level one.
+ErrorShape = Callable[..., tuple[int, dict[str, Any]]]
 UNIX_PREFIX = "unix:"
 
 
@@ -263,6 +266,10 @@ class HttpFront:
         self._accepting: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
         self._ops: dict[Callable[[web.Request], Awaitable[web.StreamResponse]], str] = {}
+        # The routes of another API dialect: its name (the metrics' api label) and the
+        # shape of its errors. The rest are the OpenAI API's (api "http").
+        self._dialects: dict[Callable[[web.Request], Awaitable[web.StreamResponse]],
+                             tuple[str, ErrorShape]] = {}
         self._assets = webui.load_assets()
 
     @staticmethod
@@ -315,10 +322,13 @@ class HttpFront:
         # What metrics and logs call each route (the chat completions are "generate").
         self._ops = {self.chat_completions: "generate", self.models: "models",
                      self.health: "health", self.metrics_text: "metrics",
-                     self.preflight: "preflight", self.web_page: "web"}
+                     self.preflight: "preflight", self.web_page: "web",
+                     self.messages: "generate"}
+        self._dialects = {self.messages: ("anthropic", anthropic.error_body)}
         app = web.Application(middlewares=[self._errors])
         app.on_response_prepare.append(self._cors)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/messages", self.messages)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.models)
         app.router.add_get("/health", self.health)
@@ -492,6 +502,8 @@ class HttpFront:
                                                       web.HTTPMethodNotAllowed):
             handler = self.preflight  # a browser's CORS preflight for a path served here
         op = self._ops.get(handler, "unknown")
+        error_body: ErrorShape
+        api, error_body = self._dialects.get(handler, ("http", openai.error_body))
         request["fields"] = {}
         outcome = "ok"
         try:
@@ -512,11 +524,11 @@ class HttpFront:
                 message += ("; this server answers chat completions: POST "
                             "/v1/chat/completions with messages")
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-            return _error_response(*openai.error_body(code=outcome, message=message),
+            return _error_response(*error_body(code=outcome, message=message),
                                    headers=allow)
         except QvlError as exc:
             outcome = exc.code
-            response = _error_response(*openai.error_body(exc))
+            response = _error_response(*error_body(exc))
             if not request.content.is_eof():
                 # Refused before its body was read whole: aiohttp reads the rest and
                 # drops it (lingering), then closes instead of reading another request.
@@ -529,11 +541,11 @@ class HttpFront:
             outcome = "internal"
             rid = next(self._ids)
             log.exception("internal error in HTTP request %d", rid)
-            return _error_response(*openai.error_body(InternalError(
+            return _error_response(*error_body(InternalError(
                 f"internal error (logged as HTTP request {rid})")))
         finally:
             self._account(request, op, outcome, t0, request.get("caller"),
-                          request["fields"])
+                          request["fields"], api)
 
     def _allowed_origin(self, request: web.Request) -> str | None:
         origin = request.headers.get("Origin")
@@ -557,15 +569,18 @@ class HttpFront:
         return web.Response(status=204, headers={
             "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
             "Access-Control-Allow-Headers": wanted or
-            "Authorization, Content-Type, X-Qvld-Session",
+            "Authorization, Content-Type, X-Qvld-Session, x-api-key, anthropic-version",
             "Access-Control-Max-Age": "600"})
 
     async def _caller(self, request: web.Request) -> Caller:
         """Who is asking (see the module docstring), or 401/403."""
         if self.keys is not None:
-            key = parse_bearer(request.headers.get("Authorization"))
+            # Anthropic's clients send theirs as x-api-key.
+            key = parse_bearer(request.headers.get("Authorization")) \
+                or request.headers.get("x-api-key") or None
             if key is None:
-                raise Unauthorized("an API key is needed: Authorization: Bearer <key>")
+                raise Unauthorized("an API key is needed: Authorization: Bearer <key> "
+                                   "(or x-api-key: <key>)")
             found = self.keys.identify(key)
             if found is None:
                 raise Unauthorized("the API key is not valid")
@@ -608,9 +623,10 @@ class HttpFront:
         return peer
 
     def _account(self, request: web.Request, op: str, outcome: str, t0: float,
-                 caller: Caller | None, fields: dict[str, Any] | None = None) -> None:
+                 caller: Caller | None, fields: dict[str, Any] | None = None,
+                 api: str = "http") -> None:
         seconds = time.monotonic() - t0
-        self.metrics.observe_request(op, outcome, seconds, api="http")
+        self.metrics.observe_request(op, outcome, seconds, api=api)
         if op == "health":
             return  # probes every few seconds would drown the journal and last errors
         if self.on_reply is not None:
@@ -619,7 +635,7 @@ class HttpFront:
         who = caller.log_name if caller is not None else "user=-"
         log_request("http %s %s %s op=%s outcome=%s time=%.3fs", (
             request.method, path, who, op, outcome, seconds), {
-            "api": "http", "method": request.method, "path": path,
+            "api": api, "method": request.method, "path": path,
             **(dict([caller.name_field]) if caller is not None else {"user": None}),
             "op": op, "outcome": outcome, "time_s": round(seconds, 6), **(fields or {})},
             logger=log)
@@ -627,50 +643,48 @@ class HttpFront:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         caller = await self._caller(request)
         body = await self.bodies.read_json(request, caller.peer.uid)
-        session = request.headers.get(SESSION_HEADER)
-        if session is not None and not protocol.SESSION_ID.fullmatch(session):
-            raise openai.bad(SESSION_HEADER, f"{SESSION_HEADER} must be 1-128 "
-                             "characters of [A-Za-z0-9._-]")
-        chat = openai.parse_chat(body, session, self.config.low_detail_image_tokens)
+        chat = openai.parse_chat(body, _session_header(request),
+                                 self.config.low_detail_image_tokens)
         fields = request["fields"]
         if chat.user is not None:
             fields["end_user"] = json.dumps(chat.user)
-        await self._fetch_images(chat)
-        response, request["outcome"] = await self._generate(request, chat, caller.peer,
-                                                            fields)
+        await self._fetch_images(chat.remote_images)
+        response, request["outcome"] = await self._generate(
+            request, chat.params, chat.stream, openai.ChatReplies(chat, self._model_name()),
+            caller.peer, fields)
         return response
 
-    async def _fetch_images(self, chat: openai.ChatRequest) -> None:
-        if not chat.remote_images:
+    async def _fetch_images(self, remote: list[openai.RemoteImage]) -> None:
+        if not remote:
             return
         if self.fetcher is None:
             raise openai.bad("messages", "this server does not fetch image URLs "
                              "(http.fetch_image_urls is off); send images as data: URLs")
-        for image in chat.remote_images:
+        for image in remote:
             image.part[image.kind] = await self.fetcher.fetch(
                 image.url, _not_an_image if image.kind == "image" else None)
 
-    async def _generate(self, request: web.Request, chat: openai.ChatRequest, peer: Peer,
-                        fields: dict[str, Any]) -> tuple[web.StreamResponse, str]:
-        """Run the generation; the response and the outcome to account."""
-        cid, created = openai.completion_id(), int(time.time())
-        model = self._model_name()
+    async def _generate(self, request: web.Request, params: dict[str, Any], stream: bool,
+                        replies: Replies, peer: Peer, fields: dict[str, Any]
+                        ) -> tuple[web.StreamResponse, str]:
+        """Run the generation (protocol v1 ``params``); the response, shaped by the
+        dialect's ``replies``, and the outcome to account."""
         rid = next(self._ids)
         exchange = _Exchange(self.config.max_unsent_events)
-        ctx = RequestContext(request=protocol.Request(rid, "generate", chat.params),
+        ctx = RequestContext(request=protocol.Request(rid, "generate", params),
                              peer=peer, connection=exchange)
         exchange.on_overflow = lambda: self._cut_off(request, ctx)
         exchange.in_flight[rid] = ctx
         task = asyncio.ensure_future(self.dispatch(ctx))
         try:
-            if chat.stream:
-                response = await self._stream(request, chat, ctx, task, exchange,
-                                              (cid, created, model))
+            if stream:
+                response = await self._stream(request, replies, task, exchange)
             else:
                 result = await asyncio.shield(task)
                 if result["finish_reason"] == "cancelled":
                     raise self._stopped(request)
-                response = web.json_response(openai.completion(result, cid, created, model))
+                response = web.Response(body=replies.whole(result),
+                                        content_type="application/json")
         except asyncio.CancelledError:
             await _settle(ctx, task, fields)  # the client left
             raise
@@ -692,11 +706,11 @@ class HttpFront:
         if request.transport is not None:
             request.transport.abort()
 
-    async def _stream(self, request: web.Request, chat: openai.ChatRequest,
-                      ctx: RequestContext, task: asyncio.Future[Any], exchange: _Exchange,
-                      ident: tuple[str, int, str]) -> web.StreamResponse:
-        """Server-Sent Events: the headers go out with the first token, so an error
-        before it (a bad image, a prompt too long) is still a plain HTTP error."""
+    async def _stream(self, request: web.Request, replies: Replies,
+                      task: asyncio.Future[Any], exchange: _Exchange) -> web.StreamResponse:
+        """A stream in the dialect's framing: the headers go out with the first token,
+        so an error before it (a bad image, a prompt too long) is still a plain HTTP
+        error."""
         response: web.StreamResponse | None = None
         timeout = self.config.read_timeout_s
         if request.transport is not None:
@@ -708,56 +722,54 @@ class HttpFront:
                     socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
             request.transport.set_write_buffer_limits(high=self.send_buffer_bytes)
 
-        n = int(chat.params.get("n", 1))
-
-        async def send(*events: dict[str, Any] | str) -> None:
+        async def send(data: bytes) -> None:
             nonlocal response
             if response is None:
                 response = web.StreamResponse(headers={
-                    "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                    "Content-Type": replies.media_type, "Cache-Control": "no-cache",
                     "X-Accel-Buffering": "no"})
                 await response.prepare(request)
-                events = (*(openai.chunk(*ident, {"role": "assistant", "content": ""},
-                                         index=i) for i in range(n)), *events)
-            data = b"".join(b"data: " + (e if isinstance(e, str) else json.dumps(
-                e, ensure_ascii=False)).encode() + b"\n\n" for e in events)
-            # A client that stops reading: the write waits for room at most this long.
-            await asyncio.wait_for(response.write(data), timeout)
+                data = replies.first() + data
+            if data:
+                # A client that stops reading: the write waits for room at most this long.
+                await asyncio.wait_for(response.write(data), timeout)
 
         # Token events come through the loop before the generation's end does (both are
         # handed over with call_soon_threadsafe, in order), so the end closes the queue.
         task.add_done_callback(lambda _: exchange.events.put_nowait(_END))
         while (event := await exchange.events.get()) is not _END:
-            if event["text"] or event.get("logprobs"):  # not ids alone (a held tool call)
-                await send(openai.chunk(*ident, {"content": event["text"]},
-                                        logprobs=event.get("logprobs"),
-                                        index=event.get("index", 0)))
+            frames = replies.tokens(event)
+            if frames:
+                await send(frames)
         try:
             result = task.result()
+            if result["finish_reason"] == "cancelled":  # by a drain: the client is here
+                raise self._stopped(request)
         except QvlError as exc:
             if response is None:
                 raise
-            await send(openai.error_body(exc)[1])
+            await send(replies.failed(exc))
             await response.write_eof()
             return response
-        if result["finish_reason"] == "cancelled":  # by a drain: the client is still here
-            stopped = self._stopped(request)
-            if response is None:
-                raise stopped
-            await send(openai.error_body(stopped)[1])
-            await response.write_eof()
-            return response
-        tail: list[dict[str, Any] | str] = []
-        for choice in openai.choices(result):
-            i = choice["index"]
-            tail += [openai.chunk(*ident, delta, index=i)
-                     for delta in openai.call_deltas(choice.get("tool_calls") or [])]
-            tail.append(openai.chunk(*ident, {}, choice["finish_reason"], index=i))
-        if chat.include_usage:
-            tail.append(openai.usage_chunk(result, *ident))
-        await send(*tail, "[DONE]")
+        await send(replies.last(result))
         assert response is not None
         await response.write_eof()
+        return response
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """The Anthropic Messages API (``anthropic``), on the same generation path."""
+        caller = await self._caller(request)
+        body = await self.bodies.read_json(request, caller.peer.uid)
+        asked = anthropic.parse_messages(body, _session_header(request))
+        fields = request["fields"]
+        if asked.user is not None:
+            fields["end_user"] = json.dumps(asked.user)
+        await self._fetch_images(asked.remote_images)
+        engine = self.state.engine
+        eos = frozenset(engine.spec.generation.eos_token_ids) if engine else frozenset()
+        replies = anthropic.MessageReplies(asked, asked.model or self._model_name(), eos)
+        response, request["outcome"] = await self._generate(
+            request, asked.params, asked.stream, replies, caller.peer, fields)
         return response
 
     def _model_name(self) -> str:
@@ -772,7 +784,8 @@ class HttpFront:
                  "owned_by": "qvld", "input_modalities": ["text", "image", "video"],
                  "output_modalities": ["text"],
                  "context_length": engine.stats()["max_context_tokens"],
-                 "max_completion_tokens": self.state.config.engine.max_new_tokens}
+                 "max_completion_tokens": (self.state.config.engine.max_new_tokens or
+                                           engine.stats()["max_context_tokens"])}
         wanted = request.match_info.get("model")
         if wanted is None:
             return web.json_response({"object": "list", "data": [entry]})
@@ -823,6 +836,15 @@ async def _settle(ctx: RequestContext, task: asyncio.Future[Any],
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(asyncio.shield(task), 30)
     fields.update(ctx.log_fields)
+
+
+def _session_header(request: web.Request) -> str | None:
+    """X-Qvld-Session (protocol v1's session), checked."""
+    session = request.headers.get(SESSION_HEADER)
+    if session is not None and not protocol.SESSION_ID.fullmatch(session):
+        raise openai.bad(SESSION_HEADER, f"{SESSION_HEADER} must be 1-128 characters of "
+                         "[A-Za-z0-9._-]")
+    return session
 
 
 def _error_response(status: int, body: dict[str, Any],

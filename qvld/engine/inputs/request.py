@@ -258,14 +258,19 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 
 
 def max_tokens(request: GenerateRequest, limits: EngineConfig) -> int:
-    """A request's max_tokens, clamped to engine.max_new_tokens (clients ask for 1 024-4 096
-    by default; the reply's finish_reason "length" says when the cap was reached, or the
-    context's end). Beyond a 32-bit count it is a mistake, not a wish."""
-    value = limits.default_max_tokens if request.max_tokens is None else request.max_tokens
+    """A request's max_tokens, clamped to engine.max_new_tokens where the operator set
+    one; a request naming none gets engine.default_max_tokens, or by default
+    ``MAX_TOKENS_LIMIT``: until the model stops or the context ends (the engine cuts it to
+    the room left; the reply's finish_reason "length" says when a limit was reached).
+    Beyond a 32-bit count it is a mistake, not a wish."""
+    value = request.max_tokens
+    if value is None:
+        value = limits.default_max_tokens or MAX_TOKENS_LIMIT
     if not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise BadRequest(f"max_tokens must be within 1..{MAX_TOKENS_LIMIT}; more than "
-                         f"engine.max_new_tokens ({limits.max_new_tokens}) is clamped to it")
-    return min(value, limits.max_new_tokens)
+        cap = (f"; more than engine.max_new_tokens ({limits.max_new_tokens}) is clamped "
+               "to it" if limits.max_new_tokens else "")
+        raise BadRequest(f"max_tokens must be within 1..{MAX_TOKENS_LIMIT}{cap}")
+    return min(value, limits.max_new_tokens or MAX_TOKENS_LIMIT)
 
 
 def image_tokens(request: GenerateRequest, limits: EngineConfig) -> int:

@@ -1,0 +1,179 @@
+"""The API dialects beside chat completions, against the real daemon with each one's
+real client: the Anthropic Messages API (``POST /v1/messages``) with ``anthropic`` and
+LangChain's ``ChatAnthropic`` (images, streaming, a tool_use / tool_result round trip,
+keys as ``x-api-key``, errors in the API's shape); and the defaults every dialect shares
+(an answer without a limit runs to the end of the context)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+
+from tests.test_http import RECEIPT, HttpDaemon
+
+GREEDY = {"temperature": 0}  # an extension here: the API has dropped sampling fields
+ADD = {"name": "add", "description": "Add two numbers",
+       "input_schema": {"type": "object", "properties": {"a": {"type": "number"},
+                                                         "b": {"type": "number"}},
+                        "required": ["a", "b"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    # A context of 1 024 tokens: an answer without a limit ends there, soon.
+    d = HttpDaemon(tmp_path_factory.mktemp("dialects"),
+                   args=["--set", "engine.max_context_tokens=1024"]).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def client(daemon: HttpDaemon, key: str = "unused") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key=key,
+                               max_retries=0, timeout=60)
+
+
+def picture_question(question: str = "What is the total?") -> list[dict[str, Any]]:
+    data = base64.b64encode(Path(RECEIPT).read_bytes()).decode()
+    return [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": data}},
+        {"type": "text", "text": question}]}]
+
+
+def test_a_picture_and_a_question_streamed_and_not(daemon: HttpDaemon) -> None:
+    messages = client(daemon).messages
+    whole = messages.create(model="tiny", max_tokens=12, extra_body=GREEDY,
+                            system="Answer briefly.", messages=picture_question())
+    assert whole.type == "message" and whole.role == "assistant"
+    assert whole.content[0].type == "text" and whole.content[0].text
+    assert whole.stop_reason in ("max_tokens", "end_turn")
+    assert whole.usage.output_tokens <= 12 and whole.usage.input_tokens > 100  # the image
+    with messages.stream(model="tiny", max_tokens=12, extra_body=GREEDY,
+                         system="Answer briefly.", messages=picture_question()) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(pieces) > 1 and "".join(pieces) == whole.content[0].text  # greedy: same
+    assert final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    # The same picture again: its prompt rows come from the cache.
+    again = messages.create(model="tiny", max_tokens=2, extra_body=GREEDY,
+                            system="Answer briefly.", messages=picture_question())
+    assert again.usage.cache_read_input_tokens > 100
+
+
+def test_a_tool_use_and_tool_result_round_trip(daemon: HttpDaemon) -> None:
+    messages = client(daemon).messages
+    ask = [{"role": "user", "content": "What is 2 plus 3?"}]
+    first = messages.create(model="tiny", max_tokens=400, extra_body=GREEDY, tools=[ADD],
+                            tool_choice={"type": "any"}, messages=ask)
+    assert first.stop_reason == "tool_use", first
+    use = next(block for block in first.content if block.type == "tool_use")
+    assert use.name == "add" and set(use.input) == {"a", "b"}
+    assert use.id.startswith("toolu_")
+    answer = messages.create(
+        model="tiny", max_tokens=8, extra_body=GREEDY, tools=[ADD],
+        messages=[*ask, {"role": "assistant", "content": first.content},
+                  {"role": "user", "content": [{"type": "tool_result",
+                                                "tool_use_id": use.id, "content": "5"}]}])
+    assert answer.content[0].type == "text" and answer.stop_reason in ("max_tokens",
+                                                                       "end_turn")
+    # Streamed, the call arrives as a tool_use block whose input is the model's JSON.
+    with messages.stream(model="tiny", max_tokens=400, extra_body=GREEDY, tools=[ADD],
+                         tool_choice={"type": "tool", "name": "add"},
+                         messages=ask) as stream:
+        final = stream.get_final_message()
+    streamed = next(block for block in final.content if block.type == "tool_use")
+    assert streamed.input == use.input and final.stop_reason == "tool_use"
+
+
+def test_stop_sequences_and_the_stop_reason(daemon: HttpDaemon) -> None:
+    messages = client(daemon).messages
+    free = messages.create(model="tiny", max_tokens=40, extra_body=GREEDY,
+                           messages=[{"role": "user", "content": "Count: 1, 2, 3"}])
+    text = free.content[0].text
+    cut = text[len(text) // 2:len(text) // 2 + 2]  # something the greedy answer says
+    stopped = messages.create(model="tiny", max_tokens=40, extra_body=GREEDY,
+                              stop_sequences=[cut],
+                              messages=[{"role": "user", "content": "Count: 1, 2, 3"}])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == cut
+    assert cut not in stopped.content[0].text
+    assert stopped.content[0].text == text[:text.index(cut)]
+
+
+def test_errors_in_the_apis_shape(daemon: HttpDaemon) -> None:
+    with pytest.raises(anthropic.BadRequestError) as unknown:
+        client(daemon).messages.create(model="tiny", max_tokens=4, messages=[
+            {"role": "user", "content": "Hi"}], extra_body={"temprature": 0})
+    assert unknown.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "temperature" in unknown.value.body["error"]["message"]  # type: ignore[index]
+    status, _, body = daemon.request("POST", "/v1/messages", json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}).encode())
+    assert status == 400 and body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "max_tokens is required"}}
+    status, _, body = daemon.request("POST", "/v1/messages", json.dumps(
+        {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "bm90IGFuIGltYWdl"}}]}]}).encode())
+    assert status == 400 and body["type"] == "error", body
+    status, _, body = daemon.request("POST", "/v1/messages", json.dumps(
+        {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "tool_use", "id": "x", "name": "add", "input": {}}]}]}).encode())
+    assert status == 400 and "a user message holds" in body["error"]["message"]
+    assert "op=generate" in daemon.log() and "api" in daemon.log()
+
+
+def test_langchain_chat_anthropic(daemon: HttpDaemon) -> None:
+    from langchain_anthropic import ChatAnthropic
+
+    chat = ChatAnthropic(model="tiny", base_url=f"http://127.0.0.1:{daemon.port}",
+                         api_key="unused", max_tokens=6, temperature=0,  # type: ignore[arg-type]
+                         max_retries=0)
+    reply = chat.invoke("Hello")
+    assert isinstance(reply.content, str) and reply.content
+    assert reply.usage_metadata is not None and reply.usage_metadata["output_tokens"] <= 6
+    assert "".join(str(c.content) for c in chat.stream("Hello")) == reply.content
+
+
+def test_a_key_is_taken_as_x_api_key(tmp_path: Path) -> None:
+    from qvld.http.keys import hash_key
+
+    key = "qvld-test-key-dora-0123456789"
+    keys = tmp_path / "keys"
+    keys.write_text(f"dora:{hash_key(key)}\n")
+    keys.chmod(0o600)
+    d = HttpDaemon(tmp_path, args=["--set", f"http.api_keys_file={keys}"]).start()
+    try:
+        answer = client(d, key).messages.create(  # the SDK sends it as x-api-key
+            model="tiny", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        assert answer.usage.output_tokens <= 2
+        with pytest.raises(anthropic.AuthenticationError) as refused:
+            client(d, "not-a-key").messages.create(
+                model="tiny", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    finally:
+        d.stop()
+
+
+def test_an_answer_without_a_limit_runs_to_the_end_of_the_context(daemon: HttpDaemon
+                                                                 ) -> None:
+    """#47: a request naming no max_tokens got 128 tokens, and none more than 512
+    (cut descriptions, LengthFinishReasonError in clients). By default it now runs until
+    the model stops or the context ends, as vLLM and OpenAI do."""
+    answer = daemon.openai().chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
+        temperature=0, extra_body={"ignore_eos": True})
+    usage = answer.usage
+    assert usage.completion_tokens > 512 and answer.choices[0].finish_reason == "length"
+    assert usage.prompt_tokens + usage.completion_tokens == 1024  # the whole context
+    # Anthropic's max_tokens is required and means what it says.
+    capped = client(daemon).messages.create(model="tiny", max_tokens=700, extra_body={
+        **GREEDY, "ignore_eos": True}, messages=[{"role": "user", "content": "Go on."}])
+    assert capped.usage.output_tokens == 700 and capped.stop_reason == "max_tokens"
