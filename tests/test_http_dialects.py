@@ -177,3 +177,90 @@ def test_an_answer_without_a_limit_runs_to_the_end_of_the_context(daemon: HttpDa
     capped = client(daemon).messages.create(model="tiny", max_tokens=700, extra_body={
         **GREEDY, "ignore_eos": True}, messages=[{"role": "user", "content": "Go on."}])
     assert capped.usage.output_tokens == 700 and capped.stop_reason == "max_tokens"
+
+
+# -- the Ollama API --------------------------------------------------------------------
+
+def ollama_client(daemon: HttpDaemon) -> Any:
+    import ollama
+
+    return ollama.Client(host=f"http://127.0.0.1:{daemon.port}", timeout=60)
+
+
+def test_ollama_chat_with_a_picture_streamed_and_not(daemon: HttpDaemon) -> None:
+    client = ollama_client(daemon)
+    ask = [{"role": "user", "content": "What is the total?", "images": [str(RECEIPT)]}]
+    options = {"temperature": 0, "num_predict": 12, "num_ctx": 4096}  # num_ctx: ignored
+    whole = client.chat(model="tiny", messages=ask, options=options, stream=False,
+                        keep_alive="5m")
+    assert whole.done and whole.done_reason in ("stop", "length")
+    assert whole.message.role == "assistant" and whole.message.content
+    assert whole.eval_count <= 12 and whole.prompt_eval_count > 100  # the image's rows
+    assert whole.total_duration > whole.eval_duration > 0
+    chunks = list(client.chat(model="tiny", messages=ask, options=options, stream=True))
+    assert len(chunks) > 2 and chunks[-1].done and not any(c.done for c in chunks[:-1])
+    assert "".join(c.message.content for c in chunks) == whole.message.content
+    assert chunks[-1].eval_count == whole.eval_count
+    # As in Ollama, a request that does not say streams, one JSON object a line.
+    status, headers, body = daemon.request("POST", "/api/chat", json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+         "options": {"num_predict": 3, "temperature": 0}}).encode())
+    lines = [json.loads(line) for line in body.splitlines()]
+    assert status == 200 and headers["Content-Type"].startswith("application/x-ndjson")
+    assert lines[-1]["done"] and lines[-1]["eval_count"] <= 3 and len(lines) >= 2
+
+
+def test_ollama_list_show_ps_version(daemon: HttpDaemon) -> None:
+    client = ollama_client(daemon)
+    listed = client.list().models
+    assert len(listed) == 1 and listed[0].model and listed[0].size > 1000
+    shown = client.show(listed[0].model)
+    assert "vision" in (shown.capabilities or []) and shown.template
+    assert shown.modelinfo["qwen3vl.context_length"] == 1024  # type: ignore[index]
+    running = client.ps().models
+    assert running[0].model == listed[0].model and running[0].context_length == 1024
+    status, _, body = daemon.request("GET", "/api/version")
+    assert status == 200 and body["version"]
+
+
+def test_ollama_generate_with_a_schema_format(daemon: HttpDaemon) -> None:
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"total": {"type": "number"},
+                                               "shop": {"type": "string", "maxLength": 8}},
+              "required": ["total", "shop"], "additionalProperties": False}
+    answer = ollama_client(daemon).generate(
+        model="tiny", prompt="What does the receipt say?", images=[str(RECEIPT)],
+        format=schema, options={"num_predict": 200, "temperature": 0}, stream=False)
+    assert answer.done
+    jsonschema.validate(json.loads(answer.response), schema)
+    assert daemon.request("POST", "/api/generate", json.dumps(
+        {"model": "tiny", "prompt": "Hi", "raw": True}).encode())[0] == 400
+
+
+def test_ollama_errors_and_misspellings(daemon: HttpDaemon) -> None:
+    import ollama
+
+    with pytest.raises(ollama.ResponseError) as typo:
+        ollama_client(daemon).chat(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                   options={"temprature": 0}, stream=False)
+    assert typo.value.status_code == 400 and "temperature" in typo.value.error
+    # What Ollama ignores is ignored; what it refuses is refused, in its shape.
+    status, _, body = daemon.request("POST", "/api/chat", json.dumps(
+        {"model": "tiny", "stream": False, "options": {"num_predict": 2},
+         "messages": [{"role": "user", "content": "Hi"}], "some_new_field": 1}).encode())
+    assert status == 200 and body["done"], body
+    status, _, body = daemon.request("POST", "/api/chat", json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "Hi",
+                                        "images": ["bm90IGFuIGltYWdl"]}]}).encode())
+    assert status == 400 and set(body) == {"error"} and "PNG" in body["error"]
+
+
+def test_langchain_chat_ollama(daemon: HttpDaemon) -> None:
+    from langchain_ollama import ChatOllama
+
+    chat = ChatOllama(model="tiny", base_url=f"http://127.0.0.1:{daemon.port}",
+                      num_predict=6, temperature=0)
+    reply = chat.invoke("Hello")
+    assert isinstance(reply.content, str) and reply.content
+    assert "".join(str(c.content) for c in chat.stream("Hello")) == reply.content

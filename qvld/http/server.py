@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
@@ -47,7 +48,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-from qvld import protocol
+from qvld import __version__, protocol
 from qvld.config import Config, HttpConfig
 from qvld.errors import (
     Busy,
@@ -58,7 +59,7 @@ from qvld.errors import (
 )
 from qvld.fairqueue import within_share
 from qvld.handlers import DaemonState
-from qvld.http import anthropic, openai, sitecheck, webui
+from qvld.http import anthropic, ollama, openai, sitecheck, webui
 from qvld.http.body import BodyReader, check_content_encoding
 from qvld.http.dialect import Replies
 from qvld.http.fetch import ImageFetcher, normalize_host_pattern
@@ -323,12 +324,24 @@ class HttpFront:
         self._ops = {self.chat_completions: "generate", self.models: "models",
                      self.health: "health", self.metrics_text: "metrics",
                      self.preflight: "preflight", self.web_page: "web",
-                     self.messages: "generate"}
-        self._dialects = {self.messages: ("anthropic", anthropic.error_body)}
+                     self.messages: "generate", self.ollama_chat: "generate",
+                     self.ollama_generate: "generate", self.ollama_tags: "models",
+                     self.ollama_show: "models", self.ollama_ps: "models",
+                     self.ollama_version: "models"}
+        self._dialects = {self.messages: ("anthropic", anthropic.error_body),
+                          **{handler: ("ollama", ollama.error_body) for handler in (
+                              self.ollama_chat, self.ollama_generate, self.ollama_tags,
+                              self.ollama_show, self.ollama_ps, self.ollama_version)}}
         app = web.Application(middlewares=[self._errors])
         app.on_response_prepare.append(self._cors)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/api/chat", self.ollama_chat)
+        app.router.add_post("/api/generate", self.ollama_generate)
+        app.router.add_get("/api/tags", self.ollama_tags)
+        app.router.add_post("/api/show", self.ollama_show)
+        app.router.add_get("/api/ps", self.ollama_ps)
+        app.router.add_get("/api/version", self.ollama_version)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.models)
         app.router.add_get("/health", self.health)
@@ -771,6 +784,74 @@ class HttpFront:
         response, request["outcome"] = await self._generate(
             request, asked.params, asked.stream, replies, caller.peer, fields)
         return response
+
+    # -- the Ollama API ---------------------------------------------------------------
+
+    async def ollama_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._ollama(request, ollama.parse_chat, "message")
+
+    async def ollama_generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._ollama(request, ollama.parse_generate, "response")
+
+    async def _ollama(self, request: web.Request,
+                      parse: Callable[[Any, str | None], ollama.OllamaRequest],
+                      key: str) -> web.StreamResponse:
+        caller = await self._caller(request)
+        body = await self.bodies.read_json(request, caller.peer.uid)
+        asked = parse(body, _session_header(request))
+        replies = ollama.OllamaReplies(asked.model or self._model_name(), key)
+        response, request["outcome"] = await self._generate(
+            request, asked.params, asked.stream, replies, caller.peer, request["fields"])
+        return response
+
+    def _ollama_model(self) -> dict[str, Any]:
+        """The served model as Ollama lists it."""
+        engine = self.state.require_engine()
+        files = [p for p in engine.spec.path.rglob("*") if p.is_file()]
+        digest = hashlib.sha256(b"".join(
+            f"{p.relative_to(engine.spec.path)}:{p.stat().st_size}\n".encode()
+            for p in sorted(files))).hexdigest()
+        modified = max((p.stat().st_mtime for p in files), default=time.time())
+        runtime = engine.stats()["runtime"]
+        return {"name": engine.spec.name, "model": engine.spec.name,
+                "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(modified)),
+                "size": sum(p.stat().st_size for p in files), "digest": digest,
+                "details": {"parent_model": "", "format": runtime["name"],
+                            "family": "qwen3vl", "families": ["qwen3vl"],
+                            "parameter_size": "", "quantization_level":
+                            runtime.get("WEIGHTS", "unknown")}}
+
+    async def ollama_tags(self, request: web.Request) -> web.StreamResponse:
+        await self._caller(request)
+        return web.json_response({"models": [self._ollama_model()]})
+
+    async def ollama_ps(self, request: web.Request) -> web.StreamResponse:
+        await self._caller(request)
+        entry = self._ollama_model()
+        engine = self.state.require_engine()
+        return web.json_response({"models": [{
+            **entry, "expires_at": "2318-01-01T00:00:00Z",  # loaded while the daemon runs
+            "size_vram": 0, "context_length": engine.stats()["max_context_tokens"]}]})
+
+    async def ollama_show(self, request: web.Request) -> web.StreamResponse:
+        caller = await self._caller(request)
+        body = await self.bodies.read_json(request, caller.peer.uid)
+        if not isinstance(body, dict) or not isinstance(body.get("model") or
+                                                        body.get("name"), str):
+            raise openai.bad("model", "model must be a string")
+        engine = self.state.require_engine()
+        entry = self._ollama_model()
+        context = engine.stats()["max_context_tokens"]
+        return web.json_response({
+            "modelfile": "", "parameters": "", "template": engine.spec.chat_template,
+            "details": entry["details"], "modified_at": entry["modified_at"],
+            "model_info": {"general.architecture": "qwen3vl",
+                           "general.basename": engine.spec.name,
+                           "qwen3vl.context_length": context},
+            "capabilities": ["completion", "vision", "tools"]})
+
+    async def ollama_version(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"version": __version__})
 
     def _model_name(self) -> str:
         engine = self.state.engine
