@@ -347,3 +347,44 @@ def test_a_clip_through_qvlctl_and_http_video_url(daemon: HttpDaemon, tmp_path: 
     assert bad.value.code == "video_invalid"
     again = daemon.qvlctl("ask", "Still there?", "--max-tokens", "2")
     assert again.returncode == 0
+
+
+def test_what_vllm_llama_server_and_ollama_accept_is_accepted(daemon: HttpDaemon) -> None:
+    """#47: one such field from a client or UI failed the whole request. Now
+    ``reasoning_effort``, ``keep_alive``, ``cache_prompt`` are accepted (they ask for
+    nothing here) and ``n_predict`` is max_tokens (-1: none)."""
+    client = daemon.openai()
+    answer = client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=HI, reasoning_effort="low", temperature=0,
+        extra_body={"keep_alive": "5m", "cache_prompt": True, "n_predict": 3,
+                    "ignore_eos": True})
+    assert answer.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as disagree:
+        client.chat.completions.create(  # type: ignore[call-overload]
+            model="tiny", messages=HI, max_tokens=2, extra_body={"n_predict": 3})
+    assert "disagree" in disagree.value.message
+
+
+def test_logit_bias_offsets_the_logits(daemon: HttpDaemon) -> None:
+    """``logit_bias`` (it was refused unless empty) is added to the named tokens' logits
+    before anything else: +100 makes a token certain, -100 rules it out."""
+    client = daemon.openai()
+
+    def tokens(**kw: Any) -> list[str]:
+        answer = client.chat.completions.create(  # type: ignore[call-overload]
+            model="tiny", messages=HI, max_tokens=4, temperature=0, logprobs=True,
+            extra_body={"ignore_eos": True}, **kw)
+        return [entry.token for entry in answer.choices[0].logprobs.content]
+
+    greedy = tokens()
+    forced = tokens(logit_bias={"400": 100})
+    assert len(set(forced)) == 1 and forced != greedy
+    other = tokens(logit_bias={"401": 100})
+    assert len(set(other)) == 1 and other[0] != forced[0]
+    # Both raised, one ruled out again: only the other comes.
+    assert tokens(logit_bias={"400": -100, "401": 100}) == other
+    assert tokens() == greedy  # a bias is the request's own
+    with pytest.raises(openai.BadRequestError, match="beyond the vocabulary"):
+        tokens(logit_bias={"999999999": 5})
+    with pytest.raises(openai.BadRequestError, match="within"):
+        tokens(logit_bias={"400": 500})

@@ -143,6 +143,34 @@ def test_bad_messages_bodies_get_the_anthropic_apis_400s(daemon: HttpDaemon,
     still_serving(daemon)
 
 
+CHAT = {"model": "tiny", "stream": False, "options": {"num_predict": 2},
+        "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize("body", [
+    b"{", b"[]", b"\xff\xfe{}", b"[" + b"[1]," * 70_000 + b"[1]]",
+    json.dumps({**CHAT, "messags": []}).encode(),  # a misspelling: refused
+    json.dumps({**CHAT, "options": {"num_predict": 10**12}}).encode(),
+    json.dumps({**CHAT, "options": {"temperature": 1e400}}).encode().replace(
+        b"Infinity", b"1e400"),
+    json.dumps({**CHAT, "options": {"top_kk": 3}}).encode(),
+    json.dumps({**CHAT, "messages": "Hi"}).encode(),
+    json.dumps({**CHAT, "messages": [{"role": "robot", "content": "Hi"}]}).encode(),
+    json.dumps({**CHAT, "messages": [{"role": "user", "content": "Hi",
+                                      "images": ["%%%"]}]}).encode(),
+    json.dumps({**CHAT, "format": {"type": 7}}).encode(),
+    json.dumps({**CHAT, "tools": [{"type": "function"}]}).encode(),
+    json.dumps({**CHAT, "think": True}).encode(),
+])
+def test_bad_ollama_bodies_get_400s_in_its_shape(daemon: HttpDaemon, body: bytes) -> None:
+    """The Ollama front (#47): the same bounds and typed refusals, as {"error": ...}."""
+    reply = raw(daemon, post(body, path="/api/chat"))
+    assert status_of(reply) == 400, reply[:300]
+    answer = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+    assert set(answer) == {"error"} and answer["error"]
+    still_serving(daemon)
+
+
 def test_a_messages_body_past_the_limit_gets_413_in_the_apis_shape(daemon: HttpDaemon
                                                                    ) -> None:
     big = with_content({"type": "text", "text": "x" * (2 << 20)})

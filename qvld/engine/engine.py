@@ -71,7 +71,7 @@ from qvld.engine.types import (
     Usage,
 )
 from qvld.engine.workers import SlotWorkers, Work
-from qvld.errors import Busy, ModelInvalid, PromptTooLong
+from qvld.errors import BadRequest, Busy, ModelInvalid, PromptTooLong
 from qvld.fairqueue import within_share
 
 log = logging.getLogger("qvld.engine")
@@ -252,6 +252,9 @@ class Engine:
         """
         t0 = time.perf_counter()
         checked = self.check(request)
+        if any(token >= self.spec.vocab_size for token, _ in request.logit_bias):
+            raise BadRequest(f"logit_bias names a token id beyond the vocabulary "
+                             f"({self.spec.vocab_size} ids)")
         constraint = None
         # A response format, or the grammar of a call a request's tool_choice demands:
         # it compiles while the images decode.

@@ -41,10 +41,13 @@ FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "seed", "stop", "presence_penalty", "frequency_penalty", "n", "user", "stream",
     "stream_options", "response_format", "logprobs", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls",
+    "parallel_tool_calls", "logit_bias",
     # accepted for what current clients send; they change nothing here (checked types)
     "metadata", "store", "prompt_cache_key", "safety_identifier", "service_tier",
-    "verbosity",
+    "verbosity", "reasoning_effort",
+    # what vLLM, llama-server and ollama accept: the prefix cache is automatic
+    # (cache_prompt), the model stays loaded (keep_alive); n_predict is max_tokens
+    "cache_prompt", "keep_alive", "n_predict",
     # extensions
     "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "max_image_tokens",
     "ignore_eos", "session",
@@ -52,13 +55,14 @@ FIELDS = frozenset({
 # name -> the values that ask for nothing (what clients send by default).
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none", "auto"),
-    "modalities": (None, ["text"]), "logit_bias": (None, {}), "prediction": (None,),
-    "audio": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,),
+    "audio": (None,), "web_search_options": (None,),
 }
 # Passed through to protocol v1 as they are (its parser checks types and ranges).
 PASSED = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
           "top_k", "min_p", "repetition_penalty", "max_image_tokens", "ignore_eos", "session",
-          "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+          "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+          "logit_bias")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 # A tool message's tool_call_id ties it to a call; Qwen's template shows the results in
@@ -173,7 +177,8 @@ def parse_chat(body: Any, session: str | None = None,
 # The fields accepted and ignored, by the type each must have (what OpenAI documents).
 ACCEPTED: dict[str, tuple[type, ...]] = {
     "metadata": (dict,), "store": (bool,), "prompt_cache_key": (str,),
-    "safety_identifier": (str,), "service_tier": (str,), "verbosity": (str,)}
+    "safety_identifier": (str,), "service_tier": (str,), "verbosity": (str,),
+    "reasoning_effort": (str,), "cache_prompt": (bool,), "keep_alive": (str, int, float)}
 
 
 def _accepted(body: dict[str, Any]) -> None:
@@ -283,11 +288,16 @@ def _stream_options(options: Any, stream: bool) -> bool:
 
 
 def _max_tokens(body: dict[str, Any]) -> Any:
-    old, new = body.get("max_tokens"), body.get("max_completion_tokens")
-    if old is not None and new is not None and old != new:
-        raise bad("max_completion_tokens",
-                  "max_tokens and max_completion_tokens disagree; send one of them")
-    return new if new is not None else old
+    """``max_completion_tokens``, ``max_tokens`` or llama-server's ``n_predict`` (-1: no
+    limit), which must agree where several are sent."""
+    given = {name: body[name] for name in ("max_completion_tokens", "max_tokens",
+                                           "n_predict") if body.get(name) is not None}
+    if given.get("n_predict") == -1:
+        del given["n_predict"]
+    if len(set(map(repr, given.values()))) > 1:
+        raise bad(sorted(given)[0], f"{' and '.join(sorted(given))} disagree; send one "
+                  "of them")
+    return next(iter(given.values()), None)
 
 
 def _messages(messages: Any) -> tuple[list[dict[str, Any]], list[RemoteImage], list[str]]:

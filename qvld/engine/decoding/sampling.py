@@ -1,7 +1,8 @@
 """Logits processing and token choice, as transformers does it for greedy decoding.
 
-Order: repetition penalty (over prompt + generated ids, as transformers'
-RepetitionPenaltyLogitsProcessor), presence penalty (generated ids, OpenAI style),
+Order: ``logit_bias`` added (OpenAI's: to the raw logits), repetition penalty (over
+prompt + generated ids, as transformers' RepetitionPenaltyLogitsProcessor), presence
+penalty (generated ids, OpenAI style),
 frequency penalty (generated ids times their generated counts, OpenAI style), then for
 sampling temperature -> top-k -> top-p -> min-p (transformers' warper order; min-p
 keeps the tokens at least ``min_p`` times as likely as the likeliest).
@@ -27,6 +28,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
 
 class Sampler:
@@ -49,6 +51,9 @@ class Sampler:
 
     def _penalise(self, logits: np.ndarray) -> None:
         p = self.params
+        if p.logit_bias:
+            for token, bias in p.logit_bias:
+                logits[token] += bias
         if p.repetition_penalty != 1.0:
             idx = self._seen_ids[:self._n_seen]
             vals = logits[idx]

@@ -50,6 +50,8 @@ class GenerateRequest:
     tools: ToolSet | None = None  # the tools it may call, and how
     template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs
     n: int = 1  # answers to the prompt (choices), each sampled on its own
+    # Added to these token ids' logits before anything else (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 
@@ -58,7 +60,9 @@ GENERATE_PARAMS = frozenset({
     "presence_penalty", "frequency_penalty", "seed", "stop", "session", "stream",
     "deadline_s", "ignore_eos", "max_image_tokens", "response_format", "logprobs",
     "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "min_p", "n",
+    "logit_bias",
 })
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)
 MAX_CHOICES = 16  # n: answers to one prompt
 MAX_TOP_LOGPROBS = 20
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -197,8 +201,28 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
         tools=tools,
         template_kwargs=_template_kwargs(params.get("chat_template_kwargs")),
         n=n or 1,
+        logit_bias=_logit_bias(params.get("logit_bias")),
     )
     return request, bool_param(params, "stream")
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` (ids as strings, as JSON has them), each bias in [-100, 100];
+    checked against the vocabulary by ``sampling``."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+    out = []
+    for key, bias in value.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.isdecimal() and len(key) < 10:
+            token = int(key)
+        if token is None or isinstance(bias, bool) or not isinstance(bias, int | float) \
+                or not -100 <= bias <= 100:
+            raise BadRequest("logit_bias maps token ids to numbers within [-100, 100]")
+        out.append((token, float(bias)))
+    return tuple(out)
 
 
 # -- against the engine's limits and the model's defaults ------------------------------
@@ -248,6 +272,7 @@ def sampling(request: GenerateRequest, gen: GenerationDefaults) -> SamplingParam
     if not -2.0 <= request.frequency_penalty <= 2.0:
         raise BadRequest("frequency_penalty must be within [-2, 2]")
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          logit_bias=request.logit_bias,
                           repetition_penalty=repetition,
                           presence_penalty=float(request.presence_penalty),
                           frequency_penalty=float(request.frequency_penalty),
