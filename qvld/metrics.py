@@ -2,7 +2,8 @@
 
 Names follow Prometheus conventions (base units, ``_total`` counters, ``qvld_`` prefix).
 Label values never come from client input: ``api`` is ``socket``, ``http`` (the
-OpenAI-compatible API), ``anthropic`` (the Messages API) or ``ollama``, ``op`` is a
+OpenAI-compatible chat completions), ``responses`` (OpenAI's Responses API),
+``anthropic`` (the Messages API) or ``ollama``, ``op`` is a
 known op or ``unknown`` and ``outcome`` is ``ok``, ``cancelled`` or an error code.
 """
 
@@ -42,7 +43,7 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.
 # The HTTP front adds its own: a missing or wrong key, a path or method it does not serve.
 OUTCOMES = ("ok", "cancelled", *ERRORS_BY_CODE, "invalid_api_key", "not_found",
             "method_not_allowed")
-APIS = ("socket", "http", "anthropic", "ollama")
+APIS = ("socket", "http", "responses", "anthropic", "ollama")
 # What the HTTP front calls its routes in metrics (the chat completions are "generate").
 HTTP_OPS = frozenset({"generate", "health", "models", "metrics"})
 # Generations per batched step, and prompt rows fed per step.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import openai
 import pytest
 
 from tests.test_http import RECEIPT, HttpDaemon
@@ -145,9 +146,9 @@ def test_langchain_chat_anthropic(daemon: HttpDaemon) -> None:
 def test_a_key_is_taken_as_x_api_key(tmp_path: Path) -> None:
     from qvld.http.keys import hash_key
 
-    key = "qvld-test-key-dora-0123456789"
+    key, other = "qvld-test-key-dora-0123456789", "qvld-test-key-erin-0123456789"
     keys = tmp_path / "keys"
-    keys.write_text(f"dora:{hash_key(key)}\n")
+    keys.write_text(f"dora:{hash_key(key)}\nerin:{hash_key(other)}\n")
     keys.chmod(0o600)
     d = HttpDaemon(tmp_path, args=["--set", f"http.api_keys_file={keys}"]).start()
     try:
@@ -158,6 +159,17 @@ def test_a_key_is_taken_as_x_api_key(tmp_path: Path) -> None:
             client(d, "not-a-key").messages.create(
                 model="tiny", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
         assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+        # A stored response is its user's own: another key can neither read nor
+        # continue it (nor tell it from one that does not exist).
+        mine = d.openai(key).responses.create(model="tiny", input="Hi", max_output_tokens=2)
+        assert d.openai(key).responses.retrieve(mine.id).id == mine.id
+        with pytest.raises(openai.NotFoundError):
+            d.openai(other).responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            d.openai(other).responses.delete(mine.id)
+        with pytest.raises(openai.BadRequestError, match="not found"):
+            d.openai(other).responses.create(model="tiny", input="Hi",
+                                             previous_response_id=mine.id)
     finally:
         d.stop()
 
@@ -264,3 +276,109 @@ def test_langchain_chat_ollama(daemon: HttpDaemon) -> None:
     reply = chat.invoke("Hello")
     assert isinstance(reply.content, str) and reply.content
     assert "".join(str(c.content) for c in chat.stream("Hello")) == reply.content
+
+
+# -- the Responses API -----------------------------------------------------------------
+
+def data_url() -> str:
+    return "data:image/png;base64," + base64.b64encode(Path(RECEIPT).read_bytes()).decode()
+
+
+def test_responses_a_picture_and_a_question_streamed_and_not(daemon: HttpDaemon) -> None:
+    client = daemon.openai()
+    ask = [{"role": "user", "content": [{"type": "input_image", "image_url": data_url()},
+                                        {"type": "input_text", "text": "What is the total?"}]}]
+    whole = client.responses.create(model="tiny", input=ask, max_output_tokens=12,
+                                    temperature=0, instructions="Answer briefly.")
+    assert whole.object == "response" and whole.output_text
+    assert whole.status in ("completed", "incomplete")
+    assert whole.usage is not None and whole.usage.input_tokens > 100
+    assert whole.usage.output_tokens <= 12
+    events = list(client.responses.create(model="tiny", input=ask, max_output_tokens=12,
+                                          temperature=0, instructions="Answer briefly.",
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text and events[-1].response.output_text == deltas
+    # The SDK's stream helper wants response.completed (an answer cut at
+    # max_output_tokens ends in response.incomplete, as OpenAI's does): a format keeps
+    # this one short.
+    short = {"type": "json_schema", "name": "yes", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+        "additionalProperties": False}}
+    with client.responses.stream(model="tiny", input="Hi", max_output_tokens=40,
+                                 temperature=0, text={"format": short}) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and json.loads(final.output_text) in (
+        {"ok": True}, {"ok": False})
+
+
+def test_responses_a_follow_up_continues_the_stored_conversation(daemon: HttpDaemon
+                                                                 ) -> None:
+    client = daemon.openai()
+    first = client.responses.create(model="tiny", max_output_tokens=8, temperature=0,
+                                    input=[{"role": "user", "content": [
+                                        {"type": "input_image", "image_url": data_url()},
+                                        {"type": "input_text", "text": "What is this?"}]}])
+    follow = client.responses.create(model="tiny", max_output_tokens=4, temperature=0,
+                                     previous_response_id=first.id, input="And the total?")
+    assert follow.previous_response_id == first.id
+    # The picture and the first answer are in the prompt again, from the KV cache.
+    assert follow.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+    assert follow.usage.input_tokens_details.cached_tokens > 100  # type: ignore[union-attr]
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        client.responses.create(model="tiny", previous_response_id=first.id, input="Hi")
+    unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2,
+                                       store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_responses_a_function_tool_round_trip_and_a_schema(daemon: HttpDaemon) -> None:
+    client = daemon.openai()
+    tool = {"type": "function", "name": "add", "description": "Add two numbers",
+            "parameters": ADD["input_schema"], "strict": True}
+    ask: list[Any] = [{"role": "user", "content": "What is 2 plus 3?"}]
+    called = client.responses.create(model="tiny", input=ask, tools=[tool],
+                                     tool_choice="required", max_output_tokens=400,
+                                     temperature=0)
+    call = next(item for item in called.output if item.type == "function_call")
+    assert call.name == "add" and set(json.loads(call.arguments)) == {"a", "b"}
+    answer = client.responses.create(
+        model="tiny", tools=[tool], max_output_tokens=6, temperature=0,
+        input=[*ask, {"type": "function_call", "call_id": call.call_id, "name": "add",
+                      "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "5"}])
+    assert answer.output[0].type == "message" and answer.output_text
+    # Streamed: the arguments arrive as function_call_arguments events.
+    events = list(client.responses.create(model="tiny", input=ask, tools=[tool],
+                                          tool_choice={"type": "function", "name": "add"},
+                                          max_output_tokens=400, temperature=0,
+                                          stream=True))
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.arguments == call.arguments
+    schema = {"type": "object", "properties": {"total": {"type": "number"}},
+              "required": ["total"], "additionalProperties": False}
+    shaped = client.responses.create(model="tiny", input="The total?", temperature=0,
+                                     max_output_tokens=200, text={"format": {
+                                         "type": "json_schema", "name": "receipt",
+                                         "schema": schema, "strict": True}})
+    assert set(json.loads(shaped.output_text)) == {"total"}
+
+
+def test_langchain_chat_openai_on_the_responses_api(daemon: HttpDaemon) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model="tiny", base_url=f"http://127.0.0.1:{daemon.port}/v1",
+                      api_key="unused", max_tokens=6, temperature=0,  # type: ignore[arg-type]
+                      use_responses_api=True, max_retries=0)
+    reply = chat.invoke("Hello")
+    assert reply.text and reply.usage_metadata is not None
+    assert reply.usage_metadata["output_tokens"] <= 6

@@ -171,6 +171,36 @@ def test_bad_ollama_bodies_get_400s_in_its_shape(daemon: HttpDaemon, body: bytes
     still_serving(daemon)
 
 
+RESPOND = {"model": "tiny", "max_output_tokens": 2, "input": "Hi"}
+
+
+@pytest.mark.parametrize("body", [
+    b"{", b"[]", b"[" * 100_000 + b"]" * 100_000,
+    json.dumps({**RESPOND, "inptu": "Hi"}).encode(),
+    json.dumps({**RESPOND, "max_output_tokens": 10**12}).encode(),
+    json.dumps({**RESPOND, "input": []}).encode(),
+    json.dumps({**RESPOND, "input": [{"type": "computer_call"}]}).encode(),
+    json.dumps({**RESPOND, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,bm90IGFuIGltYWdl"}]}]}
+               ).encode(),
+    json.dumps({**RESPOND, "input": [{"role": "user", "content": [
+        {"type": "input_image", "file_id": "file-1"}]}]}).encode(),
+    json.dumps({**RESPOND, "input": [{"type": "function_call_output", "output": "5"}]}
+               ).encode(),
+    json.dumps({**RESPOND, "tools": [{"type": "web_search"}]}).encode(),
+    json.dumps({**RESPOND, "text": {"format": {"type": "json_schema"}}}).encode(),
+    json.dumps({**RESPOND, "previous_response_id": "resp_nobody"}).encode(),
+    json.dumps({**RESPOND, "background": True}).encode(),
+])
+def test_bad_responses_bodies_get_typed_400s(daemon: HttpDaemon, body: bytes) -> None:
+    """The Responses front (#47): the same bounds and typed refusals as chat
+    completions, in OpenAI's shape."""
+    reply = raw(daemon, post(body, path="/v1/responses"))
+    assert status_of(reply) == 400, reply[:300]
+    assert error_of(reply)["code"] in ("bad_request", "image_invalid")
+    still_serving(daemon)
+
+
 def test_a_messages_body_past_the_limit_gets_413_in_the_apis_shape(daemon: HttpDaemon
                                                                    ) -> None:
     big = with_content({"type": "text", "text": "x" * (2 << 20)})

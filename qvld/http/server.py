@@ -59,7 +59,7 @@ from qvld.errors import (
 )
 from qvld.fairqueue import within_share
 from qvld.handlers import DaemonState
-from qvld.http import anthropic, ollama, openai, sitecheck, webui
+from qvld.http import anthropic, ollama, openai, responses, sitecheck, webui
 from qvld.http.body import BodyReader, check_content_encoding
 from qvld.http.dialect import Replies
 from qvld.http.fetch import ImageFetcher, normalize_host_pattern
@@ -267,6 +267,7 @@ class HttpFront:
         self._accepting: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
         self._ops: dict[Callable[[web.Request], Awaitable[web.StreamResponse]], str] = {}
+        self.kept_responses = responses.Responses()  # for previous_response_id
         # The routes of another API dialect: its name (the metrics' api label) and the
         # shape of its errors. The rest are the OpenAI API's (api "http").
         self._dialects: dict[Callable[[web.Request], Awaitable[web.StreamResponse]],
@@ -327,8 +328,11 @@ class HttpFront:
                      self.messages: "generate", self.ollama_chat: "generate",
                      self.ollama_generate: "generate", self.ollama_tags: "models",
                      self.ollama_show: "models", self.ollama_ps: "models",
-                     self.ollama_version: "models"}
+                     self.ollama_version: "models", self.responses: "generate",
+                     self.stored_response: "models"}
         self._dialects = {self.messages: ("anthropic", anthropic.error_body),
+                          self.responses: ("responses", openai.error_body),
+                          self.stored_response: ("responses", openai.error_body),
                           **{handler: ("ollama", ollama.error_body) for handler in (
                               self.ollama_chat, self.ollama_generate, self.ollama_tags,
                               self.ollama_show, self.ollama_ps, self.ollama_version)}}
@@ -336,6 +340,9 @@ class HttpFront:
         app.on_response_prepare.append(self._cors)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{id}", self.stored_response)
+        app.router.add_delete("/v1/responses/{id}", self.stored_response)
         app.router.add_post("/api/chat", self.ollama_chat)
         app.router.add_post("/api/generate", self.ollama_generate)
         app.router.add_get("/api/tags", self.ollama_tags)
@@ -784,6 +791,40 @@ class HttpFront:
         response, request["outcome"] = await self._generate(
             request, asked.params, asked.stream, replies, caller.peer, fields)
         return response
+
+    # -- the Responses API ------------------------------------------------------------
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API (``responses``), on the same generation path; stored
+        responses are each user's own."""
+        caller = await self._caller(request)
+        uid = caller.peer.uid
+        body = await self.bodies.read_json(request, uid)
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        if previous is not None and not isinstance(previous, str):
+            raise openai.bad("previous_response_id", "previous_response_id must be a string")
+        asked = responses.parse_responses(
+            body, self.kept_responses.conversation(uid, previous) if previous else None)
+        await self._fetch_images(asked.remote_images)
+
+        def kept(response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+            if asked.store:
+                self.kept_responses.keep(uid, response, conversation)
+
+        replies = responses.ResponseReplies(asked, asked.model or self._model_name(), kept)
+        response, request["outcome"] = await self._generate(
+            request, asked.params, asked.stream, replies, caller.peer, request["fields"])
+        return response
+
+    async def stored_response(self, request: web.Request) -> web.StreamResponse:
+        """GET or DELETE one of the caller's stored responses."""
+        caller = await self._caller(request)
+        rid = request.match_info["id"]
+        if request.method == "DELETE":
+            self.kept_responses.delete(caller.peer.uid, rid)
+            return web.json_response({"id": rid, "object": "response.deleted",
+                                      "deleted": True})
+        return web.json_response(self.kept_responses.get(caller.peer.uid, rid))
 
     # -- the Ollama API ---------------------------------------------------------------
 
