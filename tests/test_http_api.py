@@ -243,9 +243,9 @@ def png_declaring_real(width: int, height: int) -> bytes:
     return out.getvalue()
 
 
-def test_legacy_completions_name_the_chat_endpoint(daemon: HttpDaemon) -> None:
-    status, _, body = daemon.request("POST", "/v1/completions", b'{"prompt": "Hi"}',
-                                     {"Content-Type": "application/json"})
+def test_legacy_engine_completions_name_the_chat_endpoint(daemon: HttpDaemon) -> None:
+    status, _, body = daemon.request("POST", "/v1/engines/completions",
+                                     b'{"prompt": "Hi"}')
     assert status == 404 and "/v1/chat/completions" in body["error"]["message"]
 
 

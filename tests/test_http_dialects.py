@@ -382,3 +382,34 @@ def test_langchain_chat_openai_on_the_responses_api(daemon: HttpDaemon) -> None:
     reply = chat.invoke("Hello")
     assert reply.text and reply.usage_metadata is not None
     assert reply.usage_metadata["output_tokens"] <= 6
+
+
+# -- text completions ------------------------------------------------------------------
+
+def test_text_completions_take_a_raw_prompt(daemon: HttpDaemon) -> None:
+    """#47: LlamaIndex's OpenAILike posts to /v1/completions by default; it was a 404.
+    A raw prompt, no chat template; max_tokens 16 by default, as OpenAI's API has it."""
+    client = daemon.openai()
+    whole = client.completions.create(model="tiny", prompt="Once upon a time",
+                                      temperature=0, max_tokens=8,
+                                      extra_body={"ignore_eos": True})
+    assert whole.object == "text_completion" and whole.choices[0].text
+    assert whole.usage.completion_tokens == 8  # type: ignore[union-attr]
+    assert whole.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", messages=[{"role": "user", "content": "Once upon a time"}],
+        max_tokens=1)
+    # No template: the prompt is the text alone, fewer tokens than as a chat message.
+    assert whole.usage.prompt_tokens < chat.usage.prompt_tokens  # type: ignore[union-attr]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon a time", temperature=0, max_tokens=8, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == whole.choices[0].text
+    default = client.completions.create(model="tiny", prompt="Once upon a time",
+                                        extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="tiny", prompt="Hi", echo=True)
+    with pytest.raises(openai.BadRequestError, match="placeholders"):
+        client.completions.create(model="tiny", prompt="<|vision_start|><|image_pad|>")
+

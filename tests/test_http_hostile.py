@@ -353,6 +353,8 @@ def test_methods_and_paths_get_405_and_404_in_openais_shape(daemon: HttpDaemon) 
     assert status == 405 and body["error"]["code"] == "method_not_allowed"
     assert "POST" in headers.get("Allow", "")
     status, _, body = daemon.request("GET", "/v1/completions")
+    assert status == 405 and body["error"]["code"] == "method_not_allowed"
+    status, _, body = daemon.request("GET", "/v1/nothing")
     assert status == 404 and body["error"]["type"] == "not_found_error"
 
 

@@ -81,7 +81,7 @@ UNIX_PREFIX = "unix:"
 
 
 # OpenAI's legacy text completions: a 404 that names the endpoint to use instead.
-LEGACY_PATHS = frozenset({"/v1/completions", "/v1/engines/completions"})
+LEGACY_PATHS = frozenset({"/v1/engines/completions"})
 
 
 @dataclass(frozen=True)
@@ -329,7 +329,7 @@ class HttpFront:
                      self.ollama_generate: "generate", self.ollama_tags: "models",
                      self.ollama_show: "models", self.ollama_ps: "models",
                      self.ollama_version: "models", self.responses: "generate",
-                     self.stored_response: "models"}
+                     self.stored_response: "models", self.completions: "generate"}
         self._dialects = {self.messages: ("anthropic", anthropic.error_body),
                           self.responses: ("responses", openai.error_body),
                           self.stored_response: ("responses", openai.error_body),
@@ -339,6 +339,7 @@ class HttpFront:
         app = web.Application(middlewares=[self._errors])
         app.on_response_prepare.append(self._cors)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{id}", self.stored_response)
@@ -790,6 +791,18 @@ class HttpFront:
         replies = anthropic.MessageReplies(asked, asked.model or self._model_name(), eos)
         response, request["outcome"] = await self._generate(
             request, asked.params, asked.stream, replies, caller.peer, fields)
+        return response
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """The legacy text completions: a raw prompt, no chat template."""
+        caller = await self._caller(request)
+        body = await self.bodies.read_json(request, caller.peer.uid)
+        asked = openai.parse_completion(body)
+        if asked.user is not None:
+            request["fields"]["end_user"] = json.dumps(asked.user)
+        replies = openai.CompletionReplies(asked, asked.model or self._model_name())
+        response, request["outcome"] = await self._generate(
+            request, asked.params, asked.stream, replies, caller.peer, request["fields"])
         return response
 
     # -- the Responses API ------------------------------------------------------------

@@ -85,7 +85,9 @@ class PromptBuilder:
         (closing it if generation did not) for the new messages."""
         history = history or []
         self._check_text_length(checked, self.max_context - len(history))
-        if history:
+        if checked.prompt is not None:  # raw: as it is, no template (and no session)
+            text = checked.prompt
+        elif history:
             # A session's tools are its first turn's: they are shown before the history.
             marker = "\x00qvld-history\x00"
             text = self.template.render([{"role": "assistant", "content": marker},
@@ -156,7 +158,8 @@ class PromptBuilder:
         """Refuse text that cannot fit ``room`` tokens before templating and tokenising
         it whole: a 30 MB text part would otherwise cost gigabytes and seconds."""
         left = room - 1  # at least one token is generated
-        texts = [text for message in checked.shown for text in (
+        texts = [] if checked.prompt is None else [checked.prompt]
+        texts += [text for message in checked.shown for text in (
             [message["content"]] if isinstance(message["content"], str) else
             [part["text"] for part in message["content"] if part["type"] == "text"])]
         # A call's name and arguments (JSON text or an object the template writes out).

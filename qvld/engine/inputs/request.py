@@ -52,6 +52,8 @@ class GenerateRequest:
     n: int = 1  # answers to the prompt (choices), each sampled on its own
     # Added to these token ids' logits before anything else (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # A raw prompt instead of messages: tokenised as it is, no chat template (text only).
+    prompt: str | None = None
 
 
 
@@ -60,7 +62,7 @@ GENERATE_PARAMS = frozenset({
     "presence_penalty", "frequency_penalty", "seed", "stop", "session", "stream",
     "deadline_s", "ignore_eos", "max_image_tokens", "response_format", "logprobs",
     "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "min_p", "n",
-    "logit_bias",
+    "logit_bias", "prompt",
 })
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)
 MAX_CHOICES = 16  # n: answers to one prompt
@@ -202,8 +204,26 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
         template_kwargs=_template_kwargs(params.get("chat_template_kwargs")),
         n=n or 1,
         logit_bias=_logit_bias(params.get("logit_bias")),
+        prompt=_raw_prompt(params, session, tools),
     )
     return request, bool_param(params, "stream")
+
+
+def _raw_prompt(params: dict[str, Any], session: str | None, tools: ToolSet | None
+                ) -> str | None:
+    """A raw ``prompt`` (no chat template): text only, instead of messages, without a
+    session or tools (both need the template)."""
+    prompt = params.get("prompt")
+    if prompt is None:
+        return None
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("prompt must be a non-empty string")
+    if params.get("messages") is not None:
+        raise BadRequest("send messages or a prompt, not both")
+    if session is not None or tools is not None or params.get("chat_template_kwargs"):
+        raise BadRequest("a raw prompt takes no session, tools or chat_template_kwargs "
+                         "(they need the chat template)")
+    return prompt
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -244,6 +264,7 @@ class CheckedRequest:
     template_kwargs: dict[str, Any] | None = None
     # The videos in order: a clip's bytes, or its frames (pictures' bytes).
     videos: list[bytes | list[bytes]] = field(default_factory=list)
+    prompt: str | None = None  # a raw prompt: no template, no messages
 
 
 def sampling(request: GenerateRequest, gen: GenerationDefaults) -> SamplingParams:
@@ -404,6 +425,9 @@ def check(request: GenerateRequest, limits: EngineConfig, gen: GenerationDefault
     """``request`` against the engine's limits and the model's defaults."""
     params = sampling(request, gen)
     tokens = max_tokens(request, limits)
+    if request.prompt is not None:
+        return CheckedRequest([], [], params, tokens, image_tokens(request, limits),
+                              prompt=request.prompt)
     shown, images, videos = template_messages(request.messages, limits.max_images)
     tools = None if request.tools is None else request.tools.shown
     return CheckedRequest(shown, images, params, tokens, image_tokens(request, limits),
