@@ -329,6 +329,9 @@ class HttpConfig(_Section):
     # HOST:PORT (e.g. 127.0.0.1:8090) or unix:/ABSOLUTE/PATH (mode server.socket_mode);
     # none/empty: off.
     listen: str | None = None
+    # Another HOST:PORT serving the same API, for clients that only know Ollama's port
+    # (e.g. 127.0.0.1:11434); none/empty: off. Needs the HTTP API on.
+    ollama_listen: str | None = None
     # "NAME:sha256:HEX" lines (qvld api-key NAME); none: local callers only, each the
     # user the kernel says it is (loopback TCP or the Unix socket), allowed as on the
     # protocol socket. Must be writable by root or the daemon's user only.
@@ -401,6 +404,11 @@ class HttpConfig(_Section):
             if len(os.fsencode(path)) > SUN_PATH_MAX:
                 raise ValueError(f"a Unix socket path is at most {SUN_PATH_MAX} bytes")
             return value
+        return _listen_address(value)
+
+    @field_validator("ollama_listen")
+    @classmethod
+    def _ollama_port(cls, value: str | None) -> str | None:
         return _listen_address(value)
 
     @model_validator(mode="after")

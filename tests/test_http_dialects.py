@@ -413,3 +413,22 @@ def test_text_completions_take_a_raw_prompt(daemon: HttpDaemon) -> None:
     with pytest.raises(openai.BadRequestError, match="placeholders"):
         client.completions.create(model="tiny", prompt="<|vision_start|><|image_pad|>")
 
+
+
+def test_clients_that_only_know_ollamas_port_find_it(tmp_path: Path) -> None:
+    """``http.ollama_listen``: the same API on another address, e.g. 127.0.0.1:11434."""
+    import ollama
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    d = HttpDaemon(tmp_path, args=["--set", f"http.ollama_listen=127.0.0.1:{port}"]).start()
+    try:
+        client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=60)
+        assert len(client.list().models) == 1
+        answer = client.chat(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                             options={"num_predict": 2}, stream=False)
+        assert answer.done and answer.eval_count <= 2
+        assert "also on 127.0.0.1:" in d.log()
+    finally:
+        d.stop()

@@ -265,6 +265,8 @@ class HttpFront:
         self._listener: socket.socket | None = None
         self._owned_path: Path | None = None
         self._accepting: asyncio.Task[None] | None = None
+        # http.ollama_listen: another TCP listener onto the same app, and its acceptor.
+        self._ollama_listener: tuple[socket.socket, asyncio.Task[None]] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
         self._ops: dict[Callable[[web.Request], Awaitable[web.StreamResponse]], str] = {}
         self.kept_responses = responses.Responses()  # for previous_response_id
@@ -374,6 +376,11 @@ class HttpFront:
         sock.setblocking(False)
         self._listener = sock
         self._accepting = asyncio.create_task(self._accept(sock))
+        if self.config.ollama_listen:
+            extra, _ = _listener(self.config.ollama_listen, self.socket_mode)
+            extra.setblocking(False)
+            self._ollama_listener = (extra, asyncio.create_task(self._accept(extra)))
+            log.info("HTTP API also on %s (http.ollama_listen)", self.config.ollama_listen)
         if self.keys is None:
             log.info("HTTP API on %s: no http.api_keys_file, so callers are the local "
                      "users the kernel says they are, allowed as on the socket",
@@ -462,18 +469,13 @@ class HttpFront:
         return f"http+unix:{name}"
 
     @property
-    def _tcp(self) -> bool:
-        return self._listener is not None and self._listener.family != socket.AF_UNIX
-
-    @property
     def _listen_names(self) -> list[str]:
-        """The address the TCP listener is bound to, as a Host header would name it (none
-        for a wildcard address: every interface's name would be a guess)."""
-        if not self._tcp:
-            return []
-        assert self._listener is not None
-        host = str(self._listener.getsockname()[0])
-        return [] if host in ("0.0.0.0", "::") else [host]
+        """The addresses the TCP listeners are bound to, as a Host header would name
+        them (none for a wildcard address: every interface's name would be a guess)."""
+        listeners = [self._listener, self._ollama_listener[0] if self._ollama_listener else None]
+        hosts = [str(s.getsockname()[0]) for s in listeners
+                 if s is not None and s.family != socket.AF_UNIX]
+        return [h for h in hosts if h not in ("0.0.0.0", "::")]
 
     @property
     def port(self) -> int:
@@ -481,6 +483,13 @@ class HttpFront:
         return int(self._listener.getsockname()[1])
 
     async def stop_accepting(self) -> None:
+        if self._ollama_listener is not None:
+            extra, accepting = self._ollama_listener
+            accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await accepting
+            extra.close()
+            self._ollama_listener = None
         if self._accepting is not None:
             self._accepting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -530,7 +539,7 @@ class HttpFront:
         try:
             check_content_encoding(request.headers)  # before anything reads the body
             if self.keys is None:  # a web page must not act as its visitor
-                sitecheck.check(request.method, request.headers, tcp=self._tcp,
+                sitecheck.check(request.method, request.headers, tcp=_over_tcp(request),
                                 own_names=[*self._listen_names, *self.config.allowed_hosts],
                                 cors_allow_origins=self.config.cors_allow_origins)
             response = await handler(request)
@@ -971,6 +980,12 @@ async def _settle(ctx: RequestContext, task: asyncio.Future[Any],
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(asyncio.shield(task), 30)
     fields.update(ctx.log_fields)
+
+
+def _over_tcp(request: web.Request) -> bool:
+    """Whether the request came over TCP (not an HTTP Unix socket)."""
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    return sock is not None and sock.family != socket.AF_UNIX
 
 
 def _session_header(request: web.Request) -> str | None:
