@@ -88,6 +88,7 @@ class Handlers:
             "status": self.status,
             "config": self.config,
             "generate": self.generate,
+            "count_tokens": self.count_tokens,
             "cancel": self.cancel,
             "reload": self.reload,
             "drain": self.drain,
@@ -162,6 +163,23 @@ class Handlers:
             for section, key in ADMIN_ONLY_CONFIG:
                 config[section][key] = HIDDEN
         return config
+
+    async def count_tokens(self, ctx: RequestContext) -> dict[str, Any]:
+        """The prompt tokens a ``generate`` with these params would feed (its template,
+        tools and images; no session history), prepared on the prepare stage like a
+        generation's, and nothing generated."""
+        params = {k: v for k, v in ctx.request.params.items() if k != "session"}
+        request, _ = parse_generate(params)
+        uid = ctx.peer.uid
+        timeout = self.state.config.server.request_timeout_s
+        deadline = time.monotonic() + timeout
+        engine = await self.state.wait_engine(timeout)
+        ticket = self.prepare_stage.submit(
+            uid, lambda: engine.tokenize(request, uid, ctx.cancelled.is_set), deadline,
+            media=_has_media(request.messages))
+        ctx.on_cancel.append(lambda: self.prepare_stage.cancel(ticket))
+        ids, images, _ = await self.prepare_stage.result(ticket)
+        return {"input_tokens": len(ids), "image_tokens": sum(i.tokens for i in images)}
 
     async def generate(self, ctx: RequestContext) -> dict[str, Any]:
         self.generating += 1

@@ -45,7 +45,7 @@ DEFAULT_MAX_FRAME_BYTES = 32 * 1024 * 1024
 
 OPS = frozenset({
     "hello", "health", "status", "generate", "cancel", "sessions", "metrics",
-    "preflight", "reload", "config", "drain",
+    "preflight", "reload", "config", "drain", "count_tokens",
 })
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256

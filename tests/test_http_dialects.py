@@ -68,6 +68,12 @@ def test_a_picture_and_a_question_streamed_and_not(daemon: HttpDaemon) -> None:
     again = messages.create(model="tiny", max_tokens=2, extra_body=GREEDY,
                             system="Answer briefly.", messages=picture_question())
     assert again.usage.cache_read_input_tokens > 100
+    # count_tokens: the prompt's tokens, nothing generated (input_tokens excludes the
+    # cache reads, as the API counts them).
+    counted = messages.count_tokens(model="tiny", system="Answer briefly.",
+                                    messages=picture_question())
+    usage = again.usage
+    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens
 
 
 def test_a_tool_use_and_tool_result_round_trip(daemon: HttpDaemon) -> None:

@@ -84,9 +84,10 @@ class MessagesRequest:
     remote_images: list[RemoteImage] = field(default_factory=list)
 
 
-def parse_messages(body: Any, session: str | None = None) -> MessagesRequest:
+def parse_messages(body: Any, session: str | None = None, *,
+                   counting: bool = False) -> MessagesRequest:
     """A Messages body -> protocol v1 generate params (``session``: the X-Qvld-Session
-    header)."""
+    header; ``counting``: for count_tokens, where max_tokens is not sent)."""
     if not isinstance(body, dict):
         raise bad("", "the request body must be a JSON object")
     for name in body:
@@ -96,7 +97,7 @@ def parse_messages(body: Any, session: str | None = None) -> MessagesRequest:
     if model is not None and not isinstance(model, str):
         raise bad("model", "model must be a string")
     tokens = body.get("max_tokens")
-    if tokens is None:
+    if tokens is None and not counting:
         raise bad("max_tokens", "max_tokens is required")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
@@ -112,7 +113,9 @@ def parse_messages(body: Any, session: str | None = None) -> MessagesRequest:
     user = _user(body.get("metadata"))
     remote: list[RemoteImage] = []
     messages = _system(body.get("system")) + _messages(body.get("messages"), remote)
-    params: dict[str, Any] = {"messages": messages, "stream": stream, "max_tokens": tokens}
+    params: dict[str, Any] = {"messages": messages, "stream": stream}
+    if tokens is not None:
+        params["max_tokens"] = tokens
     for name in PASSED:
         if body.get(name) is not None:
             params[name] = body[name]

@@ -331,8 +331,10 @@ class HttpFront:
                      self.ollama_generate: "generate", self.ollama_tags: "models",
                      self.ollama_show: "models", self.ollama_ps: "models",
                      self.ollama_version: "models", self.responses: "generate",
-                     self.stored_response: "models", self.completions: "generate"}
+                     self.stored_response: "models", self.completions: "generate",
+                     self.count_tokens: "count_tokens"}
         self._dialects = {self.messages: ("anthropic", anthropic.error_body),
+                          self.count_tokens: ("anthropic", anthropic.error_body),
                           self.responses: ("responses", openai.error_body),
                           self.stored_response: ("responses", openai.error_body),
                           **{handler: ("ollama", ollama.error_body) for handler in (
@@ -343,6 +345,7 @@ class HttpFront:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{id}", self.stored_response)
         app.router.add_delete("/v1/responses/{id}", self.stored_response)
@@ -915,6 +918,18 @@ class HttpFront:
 
     async def ollama_version(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"version": __version__})
+
+    async def count_tokens(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens, nothing run."""
+        caller = await self._caller(request)
+        body = await self.bodies.read_json(request, caller.peer.uid)
+        asked = anthropic.parse_messages(body, counting=True)
+        await self._fetch_images(asked.remote_images)
+        ctx = RequestContext(request=protocol.Request(next(self._ids), "count_tokens",
+                                                      asked.params),
+                             peer=caller.peer, connection=_Exchange(1))
+        counted = await self.dispatch(ctx)
+        return web.json_response({"input_tokens": counted["input_tokens"]})
 
     def _model_name(self) -> str:
         engine = self.state.engine
