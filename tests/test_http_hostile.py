@@ -201,6 +201,21 @@ def test_bad_responses_bodies_get_typed_400s(daemon: HttpDaemon, body: bytes) ->
     still_serving(daemon)
 
 
+@pytest.mark.parametrize("body", [
+    b"{", b'{"prompt": 7}', b'{"prompt": ["a", "b"]}', b'{"prompt": [1, 2, 3]}',
+    b'{"prompt": ""}', b'{"prompt": "Hi", "echo": true}', b'{"prompt": "Hi", "best_of": 3}',
+    b'{"prompt": "Hi", "max_tokens": 1000000000000}', b'{"prompt": "Hi", "promt": 1}',
+    b'{"prompt": "<|vision_start|><|image_pad|><|vision_end|>"}',
+    b'{"prompt": "Hi", "logit_bias": {"-1": 5}}', b'{"prompt": "Hi", "n": 99}',
+])
+def test_bad_text_completions_get_typed_400s(daemon: HttpDaemon, body: bytes) -> None:
+    """Text completions (#47): a raw prompt gets the same typed refusals."""
+    reply = raw(daemon, post(body, path="/v1/completions"))
+    assert status_of(reply) == 400, reply[:300]
+    assert error_of(reply)["code"] == "bad_request"
+    still_serving(daemon)
+
+
 def test_a_messages_body_past_the_limit_gets_413_in_the_apis_shape(daemon: HttpDaemon
                                                                    ) -> None:
     big = with_content({"type": "text", "text": "x" * (2 << 20)})
