@@ -211,3 +211,23 @@ def test_export_onnx_adds_beside_an_ir_and_writes_a_new_directory_otherwise(
     onnx_export.export_onnx(str(TINY), ir_only(tmp_path), "int8")
     onnx_export.export_onnx(str(TINY), tmp_path / "fresh", "int8")
     assert calls == ["beside", "new"]
+
+
+def test_conversion_keeps_the_video_processors_settings(tmp_path: Path) -> None:
+    """#48: ``video_preprocessor_config.json`` was left behind, so a converted model's
+    clips were sampled with transformers' class defaults (a 640x360 clip encoded at
+    416x224 instead of 640x352): every processor file the engine reads is copied."""
+    from qvld.modeltools.convert import copy_side_files
+
+    src, dst = tmp_path / "checkpoint", tmp_path / "ir"
+    src.mkdir()
+    dst.mkdir()
+    video = {"min_pixels": 4096, "max_pixels": 25165824, "fps": 2}
+    (src / "video_preprocessor_config.json").write_text(json.dumps(video))
+    (src / "preprocessor_config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"weights")
+    (dst / "preprocessor_config.json").write_text('{"written": "by the exporter"}')
+    assert copy_side_files(src, dst) == ["video_preprocessor_config.json"]
+    assert json.loads((dst / "video_preprocessor_config.json").read_text()) == video
+    assert "exporter" in (dst / "preprocessor_config.json").read_text()  # not replaced
+    assert not (dst / "model.safetensors").exists()

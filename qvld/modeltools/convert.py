@@ -29,9 +29,15 @@ from qvld.engine.model.model_dir import (
 )
 
 # Files the engine reads besides the IRs, copied from the checkpoint.
+# What the exporter may leave behind that the engine reads: the tokenizer, the chat
+# template, generation defaults, and the image and video processors' settings (without
+# video_preprocessor_config.json a model's clips were sampled with transformers' class
+# defaults, not its own: #48).
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "vocab.json", "merges.txt", "preprocessor_config.json", "chat_template.jinja",
-              "chat_template.json", "generation_config.json", "config.json")
+              "vocab.json", "merges.txt", "preprocessor_config.json",
+              "video_preprocessor_config.json", "processor_config.json",
+              "chat_template.jinja", "chat_template.json", "generation_config.json",
+              "config.json")
 
 
 def _say(text: str) -> None:
@@ -94,9 +100,17 @@ def export(src: Path, dst: Path, recipe: Recipe) -> None:
     if recipe.weights == "fp16":
         model.half()
     model.save_pretrained(dst)
+    copy_side_files(src, dst)
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """The checkpoint's ``SIDE_FILES`` the export did not write, copied beside it."""
+    copied = []
     for name in SIDE_FILES:
         if (src / name).is_file() and not (dst / name).exists():
             shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
 
 
 def check_serves(path: Path, backend: str = "openvino", prompt_backend: str = "auto") -> str:
