@@ -141,7 +141,7 @@ class App:
         self.metrics = Metrics(self.registry)
         self.metrics.bind(in_flight=lambda: sum(self._counts()),
                           queue_depth=lambda: self._counts()[1],
-                          sessions=lambda: len(self.state.engine.sessions)
+                          sessions=lambda: self.state.engine.session_count()
                           if self.state.engine is not None else 0,
                           batch=lambda: self.state.engine.batch_stats()
                           if self.state.engine is not None else {},
@@ -170,18 +170,19 @@ class App:
         t0 = time.perf_counter()
         engine = Engine(config, on_step=self.metrics.observe_step,
                         on_prefill=self.metrics.observe_prefill)
-        log.info("model %s compiled in %.1f s (%s)", engine.spec.path, engine.load_s,
-                 ", ".join(f"{k}={v}" for k, v in engine.models.runtime_properties.items()))
+        served = engine.served
+        log.info("model %s compiled in %.1f s (%s)", served.path, served.load_s,
+                 ", ".join(f"{k}={v}" for k, v in served.runtime_properties.items()))
         if config.model.warmup:
             self.notifier.status("warming up")
             engine.warmup()
         ready_s = time.perf_counter() - t0
         log.info("model ready in %.1f s", ready_s)
-        if engine.batch is not None:
-            self.metrics.prefill_tokens.labels(engine.prompt_runtime)  # 0 until it runs
-        name, version = engine.runtime
-        self.metrics.set_model(__version__, name, version, engine.spec.name,
-                               engine.models.runtime_properties["INFERENCE_PRECISION_HINT"],
+        if served.continuous_batching:
+            self.metrics.prefill_tokens.labels(served.prompt_runtime)  # 0 until it runs
+        self.metrics.set_model(__version__, served.runtime, served.runtime_version,
+                               served.name,
+                               served.runtime_properties["INFERENCE_PRECISION_HINT"],
                                ready_s)
         blocks = engine.batch_stats().get("kv_blocks", {})
         self.metrics.set_cache_layout(blocks.get("block_size"), blocks.get("blocks"))
@@ -244,8 +245,7 @@ class App:
                 for gen in self._generations() if viewer in (None, gen.uid)]
         running, waiting = self._counts()
         engine = self.state.engine
-        preempted = (engine.batch.preemptions
-                     if engine is not None and engine.batch is not None else 0)
+        preempted = engine.preemptions if engine is not None else 0
         errors = [{**e, "user": self.user_label(e["uid"])} if e.get("uid") is not None else e
                   for e in self.last_errors if viewer is None or e.get("uid") == viewer]
         details: dict[str, Any] = {
@@ -331,7 +331,7 @@ class App:
             self.config = config
             self.state.config = config
             if old_engine is not None and engine is not old_engine:
-                engine.sessions.inherit(old_engine.sessions)  # their follow-ups say reset
+                engine.inherit_sessions(old_engine)  # their follow-ups say reset
             self.state.engine = engine  # running jobs finish on the engine they started on
             self._model_files = _model_fingerprint(config.model.path)
             engine.reconfigure(config)
@@ -344,11 +344,11 @@ class App:
             setup_logging(config)
             # an admin's drain outlasts a reload
             self.state.state = "drained" if previous == "drained" else "ready"
-            self.notifier.ready(f"{self.state.state}: {engine.spec.name}")
+            self.notifier.ready(f"{self.state.state}: {engine.served.name}")
             reloaded_model = engine is not old_engine
-            log.info("reload done: serving %s (%s)", engine.spec.path,
+            log.info("reload done: serving %s (%s)", engine.served.path,
                      "model reloaded" if reloaded_model else "model unchanged, kept")
-            return {"reloaded": True, "model": engine.spec.name,
+            return {"reloaded": True, "model": engine.served.name,
                     "model_reloaded": reloaded_model, "restart_required": restart}
 
     def _same_model(self, config: Config) -> bool:
@@ -436,7 +436,7 @@ class App:
             self.state.state = "ready"
             self.metrics.ready.set(1)
             assert self.state.engine is not None
-            self.notifier.ready(f"ready: {self.state.engine.spec.name}")
+            self.notifier.ready(f"ready: {self.state.engine.served.name}")
             log.info("ready")
             watchdog_usec = os.environ.get("WATCHDOG_USEC")
             if watchdog_usec and os.environ.get("WATCHDOG_PID", str(os.getpid())) == str(
@@ -531,7 +531,7 @@ class App:
             self.state.state = "ready"
             self.metrics.ready.set(1)
             assert self.state.engine is not None
-            self.notifier.status(f"ready: {self.state.engine.spec.name}")
+            self.notifier.status(f"ready: {self.state.engine.served.name}")
             log.info("resumed by an admin: taking generations again")
         elif state not in ("ready", "drained"):
             raise Unavailable(f"the daemon is {state}")

@@ -117,7 +117,7 @@ class Handlers:
 
     def model_name(self) -> str | None:
         engine = self.state.engine
-        return None if engine is None else engine.spec.name
+        return None if engine is None else engine.served.name
 
     async def hello(self, ctx: RequestContext) -> dict[str, Any]:
         version = ctx.request.params.get("v", protocol.PROTOCOL_VERSION)
@@ -355,7 +355,7 @@ class Handlers:
             if everyone and not admin:
                 raise Forbidden("listing every user's sessions is an admin op")
             return {"sessions": [{**s, "user": self.user_label(s["uid"])} for s in
-                                 engine.sessions.list(None if everyone else ctx.peer.uid)]}
+                                 engine.list_sessions(None if everyone else ctx.peer.uid)]}
         if action == "close":
             sid = params.get("id")
             if not isinstance(sid, str):
@@ -364,8 +364,8 @@ class Handlers:
             owner = ctx.peer.uid if owner is None else owner
             if owner != ctx.peer.uid and not admin:
                 raise Forbidden("closing another user's session is an admin op")
-            return {"closed": engine.sessions.close(owner, sid,
-                                                    by_owner=owner == ctx.peer.uid)}
+            return {"closed": engine.close_session(owner, sid,
+                                                   by_owner=owner == ctx.peer.uid)}
         raise BadRequest("sessions action must be 'list' or 'close'")
 
     async def preflight(self, ctx: RequestContext) -> dict[str, Any]:

@@ -142,3 +142,42 @@ def test_the_scheduler_is_a_policy_over_data() -> None:
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     assert not imported & {"threading", "asyncio", "concurrent.futures"}
+
+
+# The engine's front (#45): all that the daemon, the handlers and the HTTP and socket
+# fronts may use of an Engine. Anything else (its sessions store, spec, models, step
+# loop) is the engine's own.
+ENGINE_FRONT = frozenset({
+    "prepare", "submit", "submit_choices", "cancel", "tokenize", "generations", "counts",
+    "stats", "batch_stats", "served", "preemptions", "warmup", "reconfigure", "close",
+    "session_count", "list_sessions", "close_session", "close_user_sessions",
+    "inherit_sessions", "infer_stuck", "compiles_beside_prefill",
+})
+FRONTS = ("qvld/app.py", "qvld/handlers.py", "qvld/server.py", "qvld/prepare.py",
+          "qvld/cli.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "qvld/http")
+                                 .glob("*.py")))
+
+
+def _is_an_engine(node: ast.expr) -> bool:
+    """``engine``, ``old_engine``, ``self.engine``, ``state.engine``, ``self.state.engine``:
+    an Engine (``config.engine`` is a config section, not one)."""
+    if isinstance(node, ast.Name):
+        return node.id in ("engine", "old_engine")
+    if isinstance(node, ast.Attribute) and node.attr == "engine":
+        owner = node.value
+        return (isinstance(owner, ast.Name) and owner.id in ("self", "state")) or \
+            (isinstance(owner, ast.Attribute) and owner.attr == "state")
+    return False
+
+
+def engine_uses(source: str) -> set[str]:
+    return {node.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and _is_an_engine(node.value)}
+
+
+def test_the_fronts_use_only_the_engines_front() -> None:
+    beyond = {path: sorted(engine_uses((ROOT / path).read_text()) - ENGINE_FRONT)
+              for path in FRONTS}
+    assert {p: used for p, used in beyond.items() if used} == {}
+    assert engine_uses("engine.sessions.list(1)\nx = self.state.engine.spec.name\n"
+                       "y = config.engine.max_images") == {"sessions", "spec"}

@@ -65,6 +65,7 @@ from qvld.engine.runners import Generation, LoopRunner, Ran, RunJob, Runner, Slo
 from qvld.engine.types import (
     GenerateRequest,
     GenerateResult,
+    ServedModel,
     SessionInfo,
     Timings,
     TokenCallback,
@@ -194,6 +195,13 @@ class Engine:
             if self.batch is None else
             LoopRunner(self.pool, self.prompts, self.batch, self.max_context))
         self.load_s = time.perf_counter() - t0
+        self.served = ServedModel(
+            name=self.spec.name, path=self.spec.path, chat_template=self.spec.chat_template,
+            eos_token_ids=tuple(self.spec.generation.eos_token_ids),
+            runtime=self.models.runtime, runtime_version=self.models.runtime_version,
+            runtime_properties=dict(self.models.runtime_properties),
+            prompt_runtime=self.prompt_runtime, continuous_batching=self.batch is not None,
+            load_s=self.load_s)
 
     def _block_pool(self, config: Config) -> BlockPool:
         """Blocks for the KV budget (engine.kv_cache_mb; what the scheduler admits by),
@@ -328,6 +336,31 @@ class Engine:
         if prompt is not None and self.batch is not None and self.batch.model.rows_accessible:
             return str(prompt.runtime)
         return self.models.runtime
+
+    # -- sessions, for the fronts ------------------------------------------------------
+
+    def session_count(self) -> int:
+        return len(self.sessions)
+
+    def list_sessions(self, uid: int | None) -> list[dict[str, Any]]:
+        """``uid``'s sessions (None: everyone's)."""
+        return self.sessions.list(uid)
+
+    def close_session(self, uid: int, sid: str, by_owner: bool = True) -> bool:
+        return self.sessions.close(uid, sid, by_owner=by_owner)
+
+    def close_user_sessions(self, uid: int) -> int:
+        """Every session of ``uid`` (a revoked key's); how many there were."""
+        return self.sessions.close_user(uid)
+
+    def inherit_sessions(self, old: Engine) -> None:
+        """A reload: ``old``'s sessions are known here, so that their follow-ups say they
+        were reset rather than that they never existed."""
+        self.sessions.inherit(old.sessions)
+
+    @property
+    def preemptions(self) -> int:
+        return self.batch.preemptions if self.batch is not None else 0
 
     def stats(self) -> dict[str, Any]:
         """The model, the runtime and the caches, for status (nothing outside the engine

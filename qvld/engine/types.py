@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 # Defined where they are used first, named here for the engine's callers.
@@ -10,8 +11,25 @@ from qvld.engine.decoding.generation import FinishReason, TokenCallback
 from qvld.engine.inputs.request import GenerateRequest
 from qvld.engine.inputs.tools import ToolCall
 
-__all__ = ["FinishReason", "GenerateRequest", "GenerateResult", "SessionInfo", "Timings",
-           "TokenCallback", "Usage", "cancelled_result"]
+__all__ = ["FinishReason", "GenerateRequest", "GenerateResult", "ServedModel", "SessionInfo",
+           "Timings", "TokenCallback", "Usage", "cancelled_result"]
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the fronts may say about the model an engine serves (``Engine.served``):
+    nothing else of the engine's insides reaches them."""
+
+    name: str
+    path: Path
+    chat_template: str
+    eos_token_ids: tuple[int, ...]
+    runtime: str  # model.backend's, and its version
+    runtime_version: str
+    runtime_properties: dict[str, str]  # what the runtime actually runs with
+    prompt_runtime: str  # the runtime that prefills prompts
+    continuous_batching: bool
+    load_s: float
 
 
 @dataclass

@@ -309,7 +309,7 @@ class HttpFront:
         for key_hash, name in revoked.items():
             uid = self.users.known(name, key_hash)
             if uid is not None and engine is not None:
-                ended += engine.sessions.close_user(uid)
+                ended += engine.close_user_sessions(uid)
                 # Its generations in flight end too: a revoked key gets nothing more.
                 self._revoked_uids.add(uid)
                 for gen in engine.generations():
@@ -799,7 +799,7 @@ class HttpFront:
             fields["end_user"] = json.dumps(asked.user)
         await self._fetch_images(asked.remote_images)
         engine = self.state.engine
-        eos = frozenset(engine.spec.generation.eos_token_ids) if engine else frozenset()
+        eos = frozenset(engine.served.eos_token_ids) if engine else frozenset()
         replies = anthropic.MessageReplies(asked, asked.model or self._model_name(), eos)
         response, request["outcome"] = await self._generate(
             request, asked.params, asked.stream, replies, caller.peer, fields)
@@ -873,13 +873,13 @@ class HttpFront:
     def _ollama_model(self) -> dict[str, Any]:
         """The served model as Ollama lists it."""
         engine = self.state.require_engine()
-        files = [p for p in engine.spec.path.rglob("*") if p.is_file()]
+        files = [p for p in engine.served.path.rglob("*") if p.is_file()]
         digest = hashlib.sha256(b"".join(
-            f"{p.relative_to(engine.spec.path)}:{p.stat().st_size}\n".encode()
+            f"{p.relative_to(engine.served.path)}:{p.stat().st_size}\n".encode()
             for p in sorted(files))).hexdigest()
         modified = max((p.stat().st_mtime for p in files), default=time.time())
         runtime = engine.stats()["runtime"]
-        return {"name": engine.spec.name, "model": engine.spec.name,
+        return {"name": engine.served.name, "model": engine.served.name,
                 "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(modified)),
                 "size": sum(p.stat().st_size for p in files), "digest": digest,
                 "details": {"parent_model": "", "format": runtime["name"],
@@ -909,10 +909,10 @@ class HttpFront:
         entry = self._ollama_model()
         context = engine.stats()["max_context_tokens"]
         return web.json_response({
-            "modelfile": "", "parameters": "", "template": engine.spec.chat_template,
+            "modelfile": "", "parameters": "", "template": engine.served.chat_template,
             "details": entry["details"], "modified_at": entry["modified_at"],
             "model_info": {"general.architecture": "qwen3vl",
-                           "general.basename": engine.spec.name,
+                           "general.basename": engine.served.name,
                            "qwen3vl.context_length": context},
             "capabilities": ["completion", "vision", "tools"]})
 
@@ -933,12 +933,12 @@ class HttpFront:
 
     def _model_name(self) -> str:
         engine = self.state.engine
-        return engine.spec.name if engine is not None else "qvld"
+        return engine.served.name if engine is not None else "qvld"
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         await self._caller(request)
         engine = self.state.require_engine()
-        entry = {"id": engine.spec.name, "object": "model",
+        entry = {"id": engine.served.name, "object": "model",
                  "created": int(time.time() - (time.monotonic() - self.state.started)),
                  "owned_by": "qvld", "input_modalities": ["text", "image", "video"],
                  "output_modalities": ["text"],
