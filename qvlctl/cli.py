@@ -131,9 +131,7 @@ def ask_params(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError("--messages takes no IMAGE or QUESTION arguments")
         messages = messages_from_file(args.messages)
     else:
-        if not args.args:
-            raise UsageError("ask needs a QUESTION (after any IMAGE files) or --messages FILE")
-        *images, question = args.args
+        images, question = split_ask_args(args.args, sys.stdin)
         content: list[dict[str, Any]] = [media_part(i) for i in images]
         content.append({"type": "text", "text": question})
         messages = []
@@ -147,6 +145,34 @@ def ask_params(args: argparse.Namespace) -> dict[str, Any]:
     if response_format is not None:
         params["response_format"] = response_format
     return params
+
+
+# What names a picture or a clip when no such file exists: a typo, not a question.
+MEDIA_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".mp4",
+                            ".webm", ".mkv", ".avi", ".mov", ".m4v"})
+
+
+def split_ask_args(words: list[str], stdin: Any) -> tuple[list[str], str]:
+    """``ask``'s arguments -> (picture and clip files, the question), as ``ollama run``
+    finds them: an argument naming a file (or ``-``, stdin) is one; one that looks like a
+    picture's or clip's name but names no file is refused; the rest, joined, is the
+    question, read from stdin when none is given and stdin is not a terminal."""
+    media: list[str] = []
+    text: list[str] = []
+    for word in words:
+        if word == "-" or Path(word).is_file():
+            media.append(word)
+        elif Path(word).suffix.lower() in MEDIA_SUFFIXES and " " not in word:
+            raise UsageError(f"{word}: no such file")
+        else:
+            text.append(word)
+    question = " ".join(text)
+    if not question and "-" not in media and not stdin.isatty():
+        question = stdin.read().strip()
+    if not question:
+        raise UsageError("ask needs a QUESTION (beside any IMAGE files, or on stdin) or "
+                         "--messages FILE")
+    return media, question
 
 
 def read_text(path: Path, what: str) -> str:
@@ -436,7 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "       qvlctl ask --messages FILE.json [options]")
     ask.add_argument("args", nargs="*", metavar="IMAGE... QUESTION",
                      help="image or video files ('-' reads stdin; a video is known by "
-                          "its content: MP4, WebM, MKV, AVI), then the question")
+                          "its content: MP4, WebM, MKV, AVI) and the question, in any "
+                          "order (the arguments that are not files); without one, the "
+                          "question is read from stdin")
     ask.add_argument("--messages", type=Path, help="a JSON array of messages instead")
     ask.add_argument("--json", action="store_true", help="print the result as one JSON object")
     shape = ask.add_argument_group("answer format (constrained decoding)")

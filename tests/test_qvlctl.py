@@ -733,3 +733,29 @@ def test_instance_names_its_socket() -> None:
         out = subprocess.run([sys.executable, "-m", "qvlctl.cli", *bad], capture_output=True,
                              text=True, timeout=60, check=False)
         assert out.returncode == 2, out.stderr
+
+
+def test_ask_finds_its_files_and_reads_a_piped_question(daemon: Daemon,
+                                                        tmp_path: Path) -> None:
+    """#49: ``qvlctl ask IMAGE`` with no question, a missing file, or the question on
+    stdin sent the file name as a text-only question (exit 0)."""
+    from tests.conftest import TINY
+
+    picture = str(TINY / "images" / "photo.png")
+    missing = run_qvlctl(daemon.socket, "ask", str(tmp_path / "holiday.jpg"), "What?")
+    assert missing.returncode == cli.EXIT_USAGE
+    assert b"holiday.jpg: no such file" in missing.stderr
+    alone = run_qvlctl(daemon.socket, "ask", picture, stdin=b"")
+    assert alone.returncode == cli.EXIT_USAGE and b"needs a QUESTION" in alone.stderr
+    piped = run_qvlctl(daemon.socket, "ask", picture, "--json", "--max-tokens", "2",
+                       stdin=b"What is in the picture?\n")
+    assert piped.returncode == 0, piped.stderr
+    asked = json.loads(piped.stdout)["usage"]
+    assert asked["image_tokens"] > 0  # the picture went as a picture
+    # The question first, in words, then the file: the same picture, the same prompt.
+    spread = run_qvlctl(daemon.socket, "ask", "What", "is", "in", "the", "picture?",
+                        picture, "--json", "--max-tokens", "2")
+    assert spread.returncode == 0, spread.stderr
+    usage = json.loads(spread.stdout)["usage"]
+    assert (usage["image_tokens"], usage["prompt_tokens"]) == (asked["image_tokens"],
+                                                               asked["prompt_tokens"])
