@@ -163,7 +163,7 @@ def split_ask_args(words: list[str], stdin: Any) -> tuple[list[str], str]:
         if word == "-" or Path(word).is_file():
             media.append(word)
         elif Path(word).suffix.lower() in MEDIA_SUFFIXES and " " not in word:
-            raise UsageError(f"{word}: no such file")
+            raise UsageError(f"cannot read image {word}: no such file")
         else:
             text.append(word)
     question = " ".join(text)
