@@ -151,13 +151,25 @@ def test_langchain_chat_anthropic(daemon: HttpDaemon) -> None:
 
 def test_a_key_is_taken_as_x_api_key(tmp_path: Path) -> None:
     from qvld.http.keys import hash_key
+    from tests.conftest import free_port
 
     key, other = "qvld-test-key-dora-0123456789", "qvld-test-key-erin-0123456789"
     keys = tmp_path / "keys"
     keys.write_text(f"dora:{hash_key(key)}\nerin:{hash_key(other)}\n")
     keys.chmod(0o600)
-    d = HttpDaemon(tmp_path, args=["--set", f"http.api_keys_file={keys}"]).start()
+    port = free_port()  # and http.ollama_listen: the same API on Ollama's port
+    d = HttpDaemon(tmp_path, args=["--set", f"http.api_keys_file={keys}",
+                                   "--set", f"http.ollama_listen=127.0.0.1:{port}"]).start()
     try:
+        import ollama
+
+        on_its_port = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=60,
+                                    headers={"Authorization": f"Bearer {key}"})
+        assert len(on_its_port.list().models) == 1
+        chatted = on_its_port.chat(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                   options={"num_predict": 2}, stream=False)
+        assert chatted.done and chatted.eval_count <= 2
+        assert "also on 127.0.0.1:" in d.log()
         answer = client(d, key).messages.create(  # the SDK sends it as x-api-key
             model="tiny", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
         assert answer.usage.output_tokens <= 2
@@ -420,21 +432,3 @@ def test_text_completions_take_a_raw_prompt(daemon: HttpDaemon) -> None:
         client.completions.create(model="tiny", prompt="<|vision_start|><|image_pad|>")
 
 
-
-def test_clients_that_only_know_ollamas_port_find_it(tmp_path: Path) -> None:
-    """``http.ollama_listen``: the same API on another address, e.g. 127.0.0.1:11434."""
-    import ollama
-
-    from tests.conftest import free_port
-
-    port = free_port()
-    d = HttpDaemon(tmp_path, args=["--set", f"http.ollama_listen=127.0.0.1:{port}"]).start()
-    try:
-        client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=60)
-        assert len(client.list().models) == 1
-        answer = client.chat(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                             options={"num_predict": 2}, stream=False)
-        assert answer.done and answer.eval_count <= 2
-        assert "also on 127.0.0.1:" in d.log()
-    finally:
-        d.stop()

@@ -112,7 +112,9 @@ def test_without_a_kv_budget_nothing_is_retained() -> None:
     assert held(plain) == 0
 
 
-@pytest.mark.parametrize("pins", [True, False], ids=["pinned", "unpinned"])
+# The unpinned run is the control (the same traffic evicts the history): slow tier.
+@pytest.mark.parametrize("pins", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["pinned", "unpinned"])
 def test_a_sessions_history_blocks_stay_pinned_through_other_traffic(pins: bool) -> None:
     # A small cache (1 MiB: 23 blocks of 32 rows on the tiny model): the other requests
     # below cycle through every unpinned block.
