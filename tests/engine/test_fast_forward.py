@@ -272,6 +272,7 @@ def test_a_requests_finishing_searches_are_bounded_in_work(
         compiler.close()
 
 
+@pytest.mark.slow  # 7 s: the default tier stays under 5 minutes
 def test_a_slow_machine_gets_the_same_answers(fast: Engine,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Closing early depends on the grammar and the tokens, never on the clock: with

@@ -275,7 +275,7 @@ def test_sampled_call_arguments_always_parse_as_strict_json(tiny_engine: Engine)
         raise ValueError(literal)
 
     calls = 0
-    for seed in range(20):
+    for seed in range(12):  # the old code failed 14 of 20 seeds: 12 show it
         request, _ = parse_generate({
             "messages": [{"role": "user", "content": "add 2 and 3"}],
             "tools": [ADD], "tool_choice": "required", "max_tokens": 96,
@@ -285,7 +285,7 @@ def test_sampled_call_arguments_always_parse_as_strict_json(tiny_engine: Engine)
             calls += 1
             arguments = json.loads(call.arguments, parse_constant=strict)
             assert set(arguments) == {"a", "b"}, call.arguments
-    assert calls >= 10  # most seeds close their call within the budget
+    assert calls >= 6  # most seeds close their call within the budget
 
 
 def test_a_sequence_that_cannot_advance_ends_with_an_internal_error(
