@@ -37,14 +37,8 @@ from typing import Any
 
 from qvld.config import did_you_mean
 from qvld.errors import QvlError
-from qvld.http.openai import (
-    DATA_URL,
-    RemoteImage,
-    bad,
-    data_url_bytes,
-    sse,
-    status_of,
-)
+from qvld.http.dialect import dumps_with_raw, raw_json
+from qvld.http.openai import DATA_URL, RemoteImage, bad, data_url_bytes, error_status, sse
 
 FIELDS = frozenset({
     "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "tools",
@@ -384,15 +378,16 @@ class MessageReplies:
         for call in result.get("tool_calls") or []:
             raws.append(call["function"]["arguments"])
             blocks.append({"type": "tool_use", "id": call["id"].replace("call_", "toolu_"),
-                           "name": call["function"]["name"], "input": _raw(len(raws) - 1)})
+                           "name": call["function"]["name"], "input": raw_json(len(raws) - 1)})
         return blocks, raws
 
     def whole(self, result: dict[str, Any]) -> bytes:
         blocks, raws = self._blocks(result)
         reason, sequence = self._stop(result)
-        return _dumps({"id": self.id, "type": "message", "role": "assistant",
-                       "model": self.model, "content": blocks, "stop_reason": reason,
-                       "stop_sequence": sequence, "usage": self._usage(result)}, raws)
+        return dumps_with_raw({"id": self.id, "type": "message", "role": "assistant",
+                               "model": self.model, "content": blocks,
+                               "stop_reason": reason, "stop_sequence": sequence,
+                               "usage": self._usage(result)}, raws).encode()
 
     def first(self) -> bytes:
         return sse({"type": "message_start", "message": {
@@ -440,24 +435,9 @@ class MessageReplies:
         return sse(error_body(exc)[1], names=("error",))
 
 
-def _raw(index: int) -> str:
-    return f"\x00raw{index}\x00"
-
-
-def _dumps(body: dict[str, Any], raws: list[str]) -> bytes:
-    """``body`` as JSON with each ``_raw`` placeholder replaced by its JSON text."""
-    text = json.dumps(body, ensure_ascii=False)
-    for i, raw in enumerate(raws):
-        text = text.replace(json.dumps(_raw(i)), raw, 1)
-    return text.encode()
-
-
 def error_body(exc: QvlError | None = None, *, code: str = "", message: str = "",
                param: str | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP status, the API's error object) for a qvld error or an HTTP-level one."""
-    status = status_of(code)
-    if exc is not None:
-        message = exc.message
-        status = getattr(exc, "http_status", None) or status_of(exc.code)
+    status, message = error_status(exc, code, message)
     kind = ERROR_TYPES.get(status, "api_error")
     return status, {"type": "error", "error": {"type": kind, "message": message}}

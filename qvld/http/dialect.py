@@ -4,6 +4,7 @@ The server runs every dialect's generation the same way (``HttpServer._generate`
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
 
 from qvld.errors import QvlError
@@ -28,3 +29,17 @@ class Replies(Protocol):
 
     def failed(self, exc: QvlError) -> bytes:
         """An error after the stream began."""
+
+
+def raw_json(index: int) -> str:
+    """A placeholder for the ``index``-th JSON text ``dumps_with_raw`` puts in verbatim
+    (a tool call's arguments as the model wrote them: never parsed and re-serialised)."""
+    return f"\x00raw{index}\x00"
+
+
+def dumps_with_raw(body: dict[str, Any], raws: list[str]) -> str:
+    """``body`` as JSON, each ``raw_json(i)`` placeholder replaced by ``raws[i]``."""
+    text = json.dumps(body, ensure_ascii=False)
+    for i, raw in enumerate(raws):
+        text = text.replace(json.dumps(raw_json(i)), raw, 1)
+    return text

@@ -33,7 +33,8 @@ import pybase64
 
 from qvld.config import did_you_mean
 from qvld.errors import ImageInvalid, QvlError
-from qvld.http.openai import bad, image_format, status_of
+from qvld.http.dialect import dumps_with_raw, raw_json
+from qvld.http.openai import bad, error_status, image_format
 
 CHAT_FIELDS = frozenset({"model", "messages", "tools", "format", "options", "stream",
                          "keep_alive", "think", "logprobs", "top_logprobs"})
@@ -232,7 +233,7 @@ class OllamaReplies:
             for call in calls:
                 raws.append(call["function"]["arguments"])
                 message["tool_calls"].append({"function": {
-                    "name": call["function"]["name"], "arguments": f"\x00raw{len(raws) - 1}\x00"}})
+                    "name": call["function"]["name"], "arguments": raw_json(len(raws) - 1)}})
         return message, raws
 
     def _done(self, result: dict[str, Any], text: str) -> bytes:
@@ -245,10 +246,7 @@ class OllamaReplies:
                 "prompt_eval_duration": _ns(timings.get("prefill_s")),
                 "eval_count": usage["completion_tokens"],
                 "eval_duration": _ns(timings.get("decode_s"))}
-        out = json.dumps(body, ensure_ascii=False)
-        for i, raw in enumerate(raws):
-            out = out.replace(json.dumps(f"\x00raw{i}\x00"), raw, 1)
-        return out.encode()
+        return dumps_with_raw(body, raws).encode()
 
     def whole(self, result: dict[str, Any]) -> bytes:
         return self._done(result, result["text"])
@@ -273,8 +271,5 @@ class OllamaReplies:
 def error_body(exc: QvlError | None = None, *, code: str = "", message: str = "",
                param: str | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP status, Ollama's error object)."""
-    status = status_of(code)
-    if exc is not None:
-        message = exc.message
-        status = getattr(exc, "http_status", None) or status_of(exc.code)
+    status, message = error_status(exc, code, message)
     return status, {"error": message}

@@ -663,14 +663,20 @@ def status_of(code: str) -> int:
     return STATUS.get(code, 500)
 
 
+def error_status(exc: QvlError | None, code: str, message: str) -> tuple[int, str]:
+    """(HTTP status, message) of a qvld error, or of an HTTP-level one (``code``):
+    every dialect's error shape starts from these."""
+    if exc is None:
+        return status_of(code), message
+    return getattr(exc, "http_status", None) or status_of(exc.code), exc.message
+
+
 def error_body(exc: QvlError | None = None, *, code: str = "", message: str = "",
                param: str | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP status, OpenAI's error object) for a qvld error or an HTTP-level one."""
-    status = status_of(code)
+    status, message = error_status(exc, code, message)
     if exc is not None:
-        code, message = exc.code, exc.message
-        param = getattr(exc, "param", None)
-        status = getattr(exc, "http_status", None) or status_of(code)
+        code, param = exc.code, getattr(exc, "param", None)
         if code == "prompt_too_long":  # the code OpenAI's clients (litellm, LangChain) know
             code, param = "context_length_exceeded", param or "messages"
     return status, {"error": {"message": message, "type": TYPES.get(status, "server_error"),
