@@ -93,9 +93,10 @@ class EngineConfig(_Section):
     threads: Annotated[int, Field(ge=1, le=MAX_THREADS)] | Literal["auto"] = "auto"
     # Only 1: see _one_stream.
     streams: int = 1
-    # Slots: sets of infer requests, each with a thread. With continuous batching one
-    # encodes a request's images and embeds its prompt, then is free again; without it
-    # (or on onnxruntime) one runs a whole generation.
+    # Slots: sets of infer requests, each with a thread, that encode a request's images
+    # and embed its prompt, then are free again. A runtime without paged attention
+    # (onnxruntime, or continuous_batching off) also keeps this many sequences' KV
+    # caches in the step loop's slots (more running sequences reload from their blocks).
     infer_requests: int = Field(4, ge=1, le=64)
     # Generations the step loop runs at once (continuous batching), KV cache allowing;
     # more wait (server.queue_max) and are admitted, or preempt, fairly between users.
@@ -126,8 +127,9 @@ class EngineConfig(_Section):
     # Reuse KV prefixes and image embeddings across users. Cheaper shared prompts, but
     # cached_tokens and timings then tell a user what others asked: off by default.
     share_caches: bool = False
-    # Every running generation advances in one pass over the weights per step (paged KV
-    # cache, OpenVINO backend only); off: each runs alone on its own infer request.
+    # Every running generation advances in one pass over the weights per step (OpenVINO's
+    # paged-attention model); off: the stateful model, one sequence per inference, in
+    # the same step loop over the same KV blocks.
     continuous_batching: bool = True
     # Rows one step feeds the language model: every running generation's next token
     # first, then prompt chunks of new ones up to this many.
@@ -186,12 +188,6 @@ class EngineConfig(_Section):
         """KV-cache bytes the admitted generations may reserve together; None: no limit
         (kv_cache_mb 0)."""
         return self.kv_cache_mb << 20 or None
-
-    @property
-    def kv_retained_bytes(self) -> int:
-        """KV-cache bytes idle infer requests keep as a prefix cache (kv_cache_mb 0:
-        none; a finished generation's cache is dropped)."""
-        return self.kv_cache_mb << 20
 
 
 class ServerConfig(_Section):

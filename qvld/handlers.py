@@ -12,7 +12,6 @@ from typing import Any
 from qvld import __version__, protocol
 from qvld.config import Config
 from qvld.engine import Engine
-from qvld.engine.decoding.constraints import Constraint
 from qvld.engine.engine import PreparedRequest
 from qvld.engine.inputs.prompt_builder import PrepareStopped
 from qvld.engine.inputs.request import bool_param, int_param, parse_deadline, parse_generate
@@ -218,13 +217,12 @@ class Handlers:
                               f"decoded ({exc})") from None
             raise
         constraint = prepared.constraint
-        if constraint is not None and not (engine.compiles_beside_prefill
-                                           and not constraint.ready):
-            if not await self._compiled(constraint, ctx):
-                ctx.outcome = "cancelled"
-                return cancelled_result().to_dict()
-            # No answer in the format fits max_tokens: refused before anything runs
-            # (compiling beside the prefill, at the first token instead).
+        if constraint is not None and constraint.ready:
+            # Compiled already (or failed, or out of time): its typed error, or no answer
+            # in the format fitting max_tokens, refused before anything runs. A compile
+            # still running goes on beside image encoding and prefill; only the first
+            # constrained token waits for it (and the budget is checked then).
+            constraint.check()
             constraint.check_room(prepared.max_tokens)
         rid = ctx.request.id
 
@@ -298,39 +296,6 @@ class Handlers:
                          else "while queued")
                 raise Timeout(f"the deadline passed {where}")
         return list(results)
-
-    @staticmethod
-    async def _compiled(constraint: Constraint, ctx: RequestContext) -> bool:
-        """Wait, holding no thread, until the request's grammar is compiled: without
-        continuous batching (a slot runs the whole generation) or with the compile done
-        already (its budget then checked before anything runs). With the step loop a
-        compile still running goes on beside image encoding and prefill instead. False
-        when the client left meanwhile; the typed error of a failed or late compile
-        raises."""
-        loop = asyncio.get_running_loop()
-        left = asyncio.Event()
-
-        def leave() -> None:
-            loop.call_soon_threadsafe(left.set)
-
-        ctx.on_cancel.append(leave)
-        if ctx.cancelled.is_set():
-            left.set()
-        compiled: asyncio.Future[Any] = asyncio.wrap_future(constraint.future)
-        leaving: asyncio.Future[Any] = asyncio.ensure_future(left.wait())
-        try:
-            await asyncio.wait({compiled, leaving}, timeout=constraint.remaining_s,
-                               return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            constraint.abandon()
-            raise
-        finally:
-            leaving.cancel()
-        if left.is_set() and not compiled.done():
-            constraint.abandon()
-            return False
-        constraint.check()  # the typed error: failed, or past the compile timeout
-        return True
 
     async def cancel(self, ctx: RequestContext) -> dict[str, Any]:
         target = int_param(ctx.request.params, "target")

@@ -11,14 +11,15 @@ Who owns what, in the order a request meets them:
   (``workers.SlotWorkers``, one thread per ``engine.infer_requests`` slot, fair
   between uids).
 - On the slot worker (``_start``): a session turn begun (``sessions.SessionStore``;
-  its history joined, or started afresh when it cannot be rebuilt), then the runner
-  (``runners``): the whole generation on the slot (``SlotRunner``: no continuous
-  batching), or the prompt's cached prefix held, its images encoded and rows embedded,
-  and the ``sequence.Sequence`` handed to the step loop (``LoopRunner``).
+  its history joined, or started afresh when it cannot be rebuilt), then
+  ``runners.LoopRunner``: the prompt's cached prefix held, its images encoded and rows
+  embedded, and the ``sequence.Sequence`` handed to the step loop.
 - The step loop (``loop.step_loop.StepLoop``, one thread) asks the step scheduler
   (``scheduler.StepScheduler``: waiting, running, KV blocks, rows per step, fairness and
-  preemption) who runs, feeds the rows, samples (``decoding.generation.Decoding``) and calls the
-  sequence's ``on_done``.
+  preemption) who runs, feeds the rows, samples (``decoding.generation.Decoding``) and
+  calls the sequence's ``on_done``. Every runtime runs there: OpenVINO's paged model
+  steps every sequence in one inference; a runtime without paged attention steps them
+  one by one on slots (``model.slot_paged.SlotPaged``) over the same KV blocks.
 - ``_finish``: the result, the session turn committed (and its blocks pinned), the
   future settled.
 """
@@ -61,7 +62,7 @@ from qvld.engine.model.backend import SlotPool, load_models, release_file_pages
 from qvld.engine.model.interface import RowsSlot
 from qvld.engine.model.model_dir import ModelSpec, load_model_spec
 from qvld.engine.model.tokenizer import ChatTemplate, TextTokenizer
-from qvld.engine.runners import Generation, LoopRunner, Ran, RunJob, Runner, SlotRunner
+from qvld.engine.runners import Generation, LoopRunner, Ran, RunJob
 from qvld.engine.types import (
     GenerateRequest,
     GenerateResult,
@@ -144,33 +145,28 @@ class Engine:
             if config.engine.max_context_tokens <= self.spec.max_position_embeddings else
             "the model's max_position_embeddings; engine.max_context_tokens is "
             f"{config.engine.max_context_tokens}")
-        budget: int | None = config.engine.kv_retained_bytes // self.models.kv_bytes_per_token
-        # With continuous batching the slots only encode images and embed prompts; the
-        # language model steps every generation at once in the batch runner.
-        self.batch: StepLoop | None = None
-        self.blocks: BlockPool | None = None
-        if self.models.paged:
-            self.blocks = self._block_pool(config)
-            paged = self.models.new_paged(self.blocks.num_blocks)
-            prompt = self.models.prompt
-            # A slot of the prompt runtime's own for prefills (its slots load and read
-            # out rows); its rows can go only into an f16 or f32 paged cache.
-            prompt_slot = (cast(RowsSlot, prompt.new_slot())
-                           if prompt is not None and paged.rows_accessible else None)
-            self.batch = StepLoop(paged, self.blocks,
-                                  max_sequences=config.engine.max_sequences,
-                                  max_batch_tokens=config.engine.max_batch_tokens,
-                                  chunk=config.engine.prefill_chunk,
-                                  on_step=on_step, on_prefill=on_prefill,
-                                  runtime=self.models.runtime, prompt_slot=prompt_slot,
-                                  prompt_runtime=prompt.runtime if prompt else "")
-            if prompt is not None and not paged.rows_accessible:
-                log.warning("model.kv_cache_precision %s: prompts are prefilled by "
-                            "OpenVINO (ONNX Runtime's rows go only into an f16 or f32 "
-                            "cache); images are still encoded by ONNX Runtime",
-                            config.model.kv_cache_precision)
-            budget = None
-        self.pool = SlotPool(self.models, config.engine.infer_requests, budget_tokens=budget)
+        # Every generation runs in the step loop over the paged KV cache; the slots only
+        # encode images and embed prompts.
+        self.blocks: BlockPool = self._block_pool(config)
+        paged = self.models.new_paged(self.blocks.num_blocks, config.engine.infer_requests)
+        prompt = self.models.prompt
+        # A slot of the prompt runtime's own for prefills (its slots load and read out
+        # rows); its rows can go only into an f16 or f32 paged cache.
+        prompt_slot = (cast(RowsSlot, prompt.new_slot())
+                       if prompt is not None and paged.rows_accessible else None)
+        self.batch = StepLoop(paged, self.blocks,
+                              max_sequences=config.engine.max_sequences,
+                              max_batch_tokens=config.engine.max_batch_tokens,
+                              chunk=config.engine.prefill_chunk,
+                              on_step=on_step, on_prefill=on_prefill,
+                              runtime=self.models.runtime, prompt_slot=prompt_slot,
+                              prompt_runtime=prompt.runtime if prompt else "")
+        if prompt is not None and not paged.rows_accessible:
+            log.warning("model.kv_cache_precision %s: prompts are prefilled by "
+                        "OpenVINO (ONNX Runtime's rows go only into an f16 or f32 "
+                        "cache); images are still encoded by ONNX Runtime",
+                        config.model.kv_cache_precision)
+        self.pool = SlotPool(self.models, config.engine.infer_requests)
         self.workers = SlotWorkers(config.engine.infer_requests)
         self.queue_max = config.server.queue_max
         self._lock = threading.Lock()
@@ -182,7 +178,7 @@ class Engine:
                                      on_removed=self._unpin_session)
         self.prompts = PromptBuilder(self.spec, self.tokenizer, self.template, self.images,
                                      config.engine.max_decode_pixels, self.max_context,
-                                     one_encoder_at_a_time=self.batch is not None,
+                                     one_encoder_at_a_time=True,
                                      context_set_by=self.context_set_by,
                                      video_max_tokens=config.model.video_max_tokens)
         # Structured output: compiled on threads of its own, beside images and prefill.
@@ -190,17 +186,14 @@ class Engine:
                                         self.spec.vocab_size,
                                         self.spec.generation.eos_token_ids,
                                         cache_size=config.engine.grammar_cache_size)
-        self.runner: Runner = (
-            SlotRunner(self.pool, self.prompts, config.engine.prefill_chunk)
-            if self.batch is None else
-            LoopRunner(self.pool, self.prompts, self.batch, self.max_context))
+        self.runner = LoopRunner(self.pool, self.prompts, self.batch, self.max_context)
         self.load_s = time.perf_counter() - t0
         self.served = ServedModel(
             name=self.spec.name, path=self.spec.path, chat_template=self.spec.chat_template,
             eos_token_ids=tuple(self.spec.generation.eos_token_ids),
             runtime=self.models.runtime, runtime_version=self.models.runtime_version,
             runtime_properties=dict(self.models.runtime_properties),
-            prompt_runtime=self.prompt_runtime, continuous_batching=self.batch is not None,
+            prompt_runtime=self.prompt_runtime, continuous_batching=self.models.paged,
             load_s=self.load_s)
 
     def _block_pool(self, config: Config) -> BlockPool:
@@ -303,8 +296,6 @@ class Engine:
     @property
     def rows_room(self) -> int:
         """The most rows one generation can hold: the context, within the KV cache."""
-        if self.blocks is None:
-            return self.max_context
         return min(self.max_context, self.blocks.num_blocks * self.blocks.block_size)
 
     def _check_context(self, history: int, new: int) -> None:
@@ -322,18 +313,11 @@ class Engine:
         return self.models.runtime, self.models.runtime_version
 
     @property
-    def compiles_beside_prefill(self) -> bool:
-        """Whether a response format's compile runs beside image encoding and prefill,
-        only the first constrained token waiting for it (the step loop); without
-        continuous batching a slot would wait, so the handlers wait before submitting."""
-        return self.batch is not None
-
-    @property
     def prompt_runtime(self) -> str:
         """The runtime that prefills prompts: the prompt backend's where its rows can go
         into the paged cache (model.prompt_backend), else the decoding one's."""
         prompt = self.models.prompt
-        if prompt is not None and self.batch is not None and self.batch.model.rows_accessible:
+        if prompt is not None and self.batch.prefills is not None:
             return str(prompt.runtime)
         return self.models.runtime
 
@@ -360,7 +344,7 @@ class Engine:
 
     @property
     def preemptions(self) -> int:
-        return self.batch.preemptions if self.batch is not None else 0
+        return self.batch.preemptions
 
     def stats(self) -> dict[str, Any]:
         """The model, the runtime and the caches, for status (nothing outside the engine
@@ -373,28 +357,28 @@ class Engine:
                         **self.models.runtime_properties},
             "infer_requests": len(self.pool.slots),
             "max_context_tokens": self.max_context,
-            "kv_cached_tokens": self.pool.cached_tokens(),
-            "kv_budget_tokens": self.pool.budget_tokens,
             "image_cache": self.images.stats(),
             "sessions": self.sessions.stats(),
             "grammars": self.grammars.stats(),
             "batch": self.batch_stats(),
         }
-        if self.blocks is not None:  # rows held by running generations or kept as prefixes
-            blocks = self.blocks.stats()
-            out["kv_cached_tokens"] = (blocks["held"] + blocks["cached"]) * blocks["block_size"]
-            out["kv_budget_tokens"] = blocks["blocks"] * blocks["block_size"]
+        # Rows held by running generations or kept as prefixes.
+        blocks = self.blocks.stats()
+        out["kv_cached_tokens"] = (blocks["held"] + blocks["cached"]) * blocks["block_size"]
+        out["kv_budget_tokens"] = blocks["blocks"] * blocks["block_size"]
         return out
 
     def batch_stats(self) -> dict[str, Any]:
-        """Continuous batching: whether it is on, the step loop's counters, the KV blocks,
-        and every running generation (uid, rows fed, tokens so far)."""
-        if self.batch is None or self.blocks is None:
-            why = ("engine.continuous_batching is off" if self.config.model.backend == "openvino"
-                   else f"the {self.models.runtime} backend runs one generation per step")
-            return {"continuous_batching": False, "reason": why}
+        """The step loop's counters, the KV blocks, every running generation (uid, rows
+        fed, tokens so far), and whether a step runs its sequences in one inference
+        (continuous batching) or one by one on slots (and why)."""
         decoding, prefilling = self.batch.counts()
-        return {"continuous_batching": True,
+        batching: dict[str, Any] = {"continuous_batching": self.models.paged}
+        if not self.models.paged:
+            batching["reason"] = (
+                "engine.continuous_batching is off" if self.config.model.backend == "openvino"
+                else f"the {self.models.runtime} backend runs one sequence per inference")
+        return {**batching,
                 "max_batch_tokens": self.batch.max_batch_tokens,
                 "steps": self.batch.steps, "peak_sequences": self.batch.peak_sequences,
                 "decoding": decoding, "prefilling": prefilling,
@@ -410,10 +394,9 @@ class Engine:
         # A prompt prefilled by another runtime runs on the slot's prompt slot.
         started += [slot.prompt_slot.busy_since for slot in self.pool.slots
                     if slot.prompt_slot is not None]
-        if self.batch is not None:
-            started.append(self.batch.busy_since)
-            if self.batch.prefills is not None:
-                started.append(self.batch.prefills.busy_since)
+        started.append(self.batch.busy_since)
+        if self.batch.prefills is not None:
+            started.append(self.batch.prefills.busy_since)
         return any(t is not None and now - t > bound_s for t in started)
 
     def kv_bytes(self, tokens: int) -> int:
@@ -449,10 +432,9 @@ class Engine:
         with self._lock:
             users = collections.Counter(gen.uid for gen in self._generations)
         held = users.pop(prepared.uid, 0)
-        places = (self.batch.max_sequences if self.batch is not None
-                  else self.workers.workers)
         if not within_share(total=held + sum(users.values()), held=held, others=len(users),
-                            asked=len(gens), capacity=places + self.queue_max):
+                            asked=len(gens),
+                            capacity=self.batch.max_sequences + self.queue_max):
             raise Busy(f"the queue is full ({self.queue_max} waiting) and this user holds "
                        f"its share ({held} generations); retry shortly")
         rest = [(gen, self._choice(prepared, i), on_token)
@@ -473,7 +455,7 @@ class Engine:
                 except Exception as exc:  # shutting down
                     self._settle(gen, None, exc)
 
-        shared = rest and self.blocks is not None and self.blocks.retain
+        shared = rest and self.blocks.retain
         if shared:
             gens[0].on_prefilled = start_rest
             gens[0].future.add_done_callback(lambda _: start_rest())
@@ -507,7 +489,7 @@ class Engine:
         gen.cancelled.set()
         if gen.work is not None and self.workers.remove(gen.work):
             gen.work.on_drop()
-        elif gen.seq is not None and self.batch is not None:
+        elif gen.seq is not None:
             self.batch.cancel(gen.seq)
 
     def generations(self) -> list[Generation]:
@@ -515,11 +497,9 @@ class Engine:
             return list(self._generations)
 
     def counts(self) -> tuple[int, int]:
-        """(running, waiting) generations: running ones have a place in the step loop
-        (continuous batching) or a slot; the others wait (for a slot worker to encode
-        their images, or for a place)."""
-        running = (self.batch.queued()[0] if self.batch is not None
-                   else self.workers.running)
+        """(running, waiting) generations: running ones have a place in the step loop;
+        the others wait (for a slot worker to encode their images, or for a place)."""
+        running = self.batch.queued()[0]
         with self._lock:
             total = len(self._generations)
         # The loop's view may still hold a sequence whose generation just settled.
@@ -555,9 +535,9 @@ class Engine:
 
     def _start(self, gen: Generation, prepared: PreparedRequest,
                on_token: TokenCallback | None) -> None:
-        """On a slot worker: a session turn begun, then the runner (alone on the slot, or
-        the step loop); its history started afresh when it cannot be rebuilt. Reports
-        through ``gen``."""
+        """On a slot worker: a session turn begun, then the runner (images encoded, the
+        sequence handed to the step loop); its history started afresh when it cannot be
+        rebuilt. Reports through ``gen``."""
         gen.t_start = time.perf_counter()
         gen.slot_wait_s = time.monotonic() - gen.enqueued
         request = prepared.request
@@ -672,18 +652,17 @@ class Engine:
 
     def _pin_history(self, uid: int, sid: str, ids: list[int], images: list[PreparedImage],
                      starts: list[int]) -> None:
-        """Continuous batching: the session's cached history blocks are pinned, so that
-        its next turn finds them whatever else ran meanwhile; the store unpins them when
-        the session leaves it (``_unpin_session``)."""
-        if self.blocks is None or not self.blocks.retain:
+        """The session's cached history blocks are pinned, so that its next turn finds
+        them whatever else ran meanwhile; the store unpins them when the session leaves
+        it (``_unpin_session``)."""
+        if not self.blocks.retain:
             return
         if self.sessions.has(uid, sid):  # not evicted again at once
             self.blocks.pin((uid, sid), prompt_keys(ids, images, starts),
                             self.cache_owner(uid))
 
     def _unpin_session(self, uid: int, sid: str) -> None:
-        if self.blocks is not None:
-            self.blocks.unpin((uid, sid))
+        self.blocks.unpin((uid, sid))
 
     def _result(self, prepared: PreparedRequest, gen: Generation, ran: Ran) -> GenerateResult:
         prompt, outcome, t_vision, t_generate = ran
@@ -746,10 +725,9 @@ class Engine:
             max_tokens=2, temperature=0.0)
         uid = os.getuid()  # the daemon's own caches
         prepared = self.prepare(request, uid)
-        observers = None
-        if self.batch is not None:  # a warm-up is not served work: not observed
-            observers = self.batch.on_step, self.batch.on_prefill
-            self.batch.on_step = self.batch.on_prefill = None
+        # A warm-up is not served work: not observed.
+        observers = self.batch.on_step, self.batch.on_prefill
+        self.batch.on_step = self.batch.on_prefill = None
         with self.pool.acquire() as slot:
             for image in prepared.images:
                 encode_image(slot, image, self.spec.vision)
@@ -757,8 +735,7 @@ class Engine:
         try:
             self.run(prepared)
         finally:
-            if self.batch is not None and observers is not None:
-                self.batch.on_step, self.batch.on_prefill = observers
+            self.batch.on_step, self.batch.on_prefill = observers
         release_file_pages(self.models.weight_files)
         for image in prepared.images:  # nobody will ask about it again
             self.images.discard((self.cache_owner(uid), image.digest))

@@ -1,21 +1,15 @@
-"""How a generation runs once a slot worker has it: one interface, two runners.
+"""How a generation reaches the step loop once a slot worker has it.
 
-``Runner.start(job)`` runs on the slot worker's thread and tells the end through
-``job.done(ran, error)`` (``ran`` None: stopped before an answer), or raises
-``HistoryLost`` without calling it when a session history could not be rebuilt (its
-images' bytes and embeddings are gone; the engine then starts the session afresh and
-calls ``start`` again).
-
-- ``SlotRunner`` (no continuous batching: the onnxruntime backend, or
-  ``engine.continuous_batching: false``): the whole generation on the worker's slot,
-  reusing the slot's KV cache as a prefix cache. ``done`` is called before ``start``
-  returns.
-- ``LoopRunner`` (continuous batching): the prompt's cached prefix held, its images
-  encoded and rows embedded on the slot, then the ``Sequence`` handed to the step loop
-  (``loop.step_loop.StepLoop``); ``done`` is called later, on the step thread. A prompt
-  prefilled by another runtime (``model.prompt_backend``) is prefilled once admitted
-  by the loop's ``PromptPrefills`` (a thread and slot of its own), not by a slot
-  worker.
+``LoopRunner.start(job)`` runs on the slot worker's thread: the prompt's cached prefix
+held (the block pool's hash chain: the one prefix cache), its images encoded and rows
+embedded on the slot, then the ``Sequence`` handed to the step loop
+(``loop.step_loop.StepLoop``), whatever runtime runs the language model. The end comes
+through ``job.done(ran, error)`` (``ran`` None: stopped before an answer), later, on
+the step thread; or ``start`` raises ``HistoryLost`` without calling it when a session
+history could not be rebuilt (its images' bytes and embeddings are gone; the engine
+then starts the session afresh and calls ``start`` again). A prompt prefilled by
+another runtime (``model.prompt_backend``) is prefilled once admitted by the loop's
+``PromptPrefills`` (a thread and slot of its own), not by a slot worker.
 """
 
 from __future__ import annotations
@@ -25,16 +19,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-from qvld.engine.decoding.generation import Decoding, Outcome, Prompt, never, run_generation
+from qvld.engine.decoding.generation import Decoding, Outcome, Prompt, never
 from qvld.engine.inputs.prompt_builder import PromptBuilder, prompt_keys
 from qvld.engine.inputs.sessions import TurnInputs
 from qvld.engine.loop.sequence import Sequence
 from qvld.engine.loop.step_loop import StepLoop
-from qvld.engine.model.backend import SlotPool, common_prefix
+from qvld.engine.model.backend import SlotPool
 from qvld.engine.model.interface import Slot
 from qvld.engine.types import GenerateResult
 from qvld.engine.workers import Work
@@ -47,14 +40,14 @@ Ran = tuple[Prompt, Outcome, float, float]
 class Generation:
     """A request in the engine, from ``Engine.submit`` until its ``future`` is settled:
     waiting for a slot worker, encoding, waiting for a place in the step loop, or
-    running."""
+    running there."""
 
     uid: int
     stop_when: Callable[[], bool] = never
     future: Future[GenerateResult] = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
-    started: float | None = None  # on a slot (alone) or admitted to the step loop
+    started: float | None = None  # admitted to the step loop
     work: Work | None = None
     seq: Sequence | None = None
     slot_wait_s: float = 0.0
@@ -70,7 +63,7 @@ class Generation:
     def stage(self) -> str:
         """queued (for a slot worker), encoding (on one: its turn, images and prompt),
         waiting (encoded, for a place in the step loop) or running."""
-        if self.started is not None or (self.seq is not None and self.seq.admitted):
+        if self.seq is not None and self.seq.admitted:
             return "running"
         if self.seq is not None:
             return "waiting"
@@ -94,36 +87,6 @@ class RunJob:
         inputs = self.inputs
         return prompts.assemble(slot, inputs.ids, inputs.images, inputs.starts,
                                 self.decoding.should_stop, cached, self.owner, inputs.pinned)
-
-
-class Runner(Protocol):
-    def start(self, job: RunJob) -> None: ...
-
-
-class SlotRunner:
-    def __init__(self, pool: SlotPool, prompts: PromptBuilder, chunk: int) -> None:
-        self.pool = pool
-        self.prompts = prompts
-        self.chunk = chunk
-
-    def start(self, job: RunJob) -> None:
-        job.gen.started = time.monotonic()
-        ids = job.inputs.ids
-        keys = prompt_keys(ids, job.inputs.images, job.inputs.starts)
-        with self.pool.acquire(keys, job.owner) as slot:
-            # Reuse the longest prefix in the KV cache, but always feed the last prompt
-            # row: its logits give the first token.
-            cached = min(common_prefix(slot.history, keys), len(ids) - 1)
-            slot.trim(cached)
-            t_vision = time.perf_counter()
-            prompt = job.assemble(self.prompts, slot, cached)
-            if prompt is None:
-                job.done(None, None)
-                return
-            t_generate = time.perf_counter()
-            outcome = run_generation(slot, prompt, job.decoding, chunk=self.chunk,
-                                     cached=cached)
-        job.done((prompt, outcome, t_vision, t_generate), None)
 
 
 class LoopRunner:

@@ -1,10 +1,8 @@
 """Slot workers: the threads that run work needing a slot (``engine.infer_requests``).
 
-With continuous batching a slot encodes a request's images and embeds its prompt (or
-prefills it on another runtime, ``model.prompt_backend``) and is free again once the
-sequence is handed to the step loop; without it (the onnxruntime backend, or
-``engine.continuous_batching: false``) a slot runs a whole generation. Either way one
-thread per slot, started when work arrives and gone when none is left.
+A slot encodes a request's images and embeds its prompt and is free again once the
+sequence is handed to the step loop (whatever runtime steps it). One thread per slot,
+started when work arrives and gone when none is left.
 
 Waiting work is taken round-robin between uids, and one uid runs on at most
 ``workers - 1`` threads while another uid's work waits (unless there is one thread),
@@ -43,11 +41,6 @@ class SlotWorkers:
         self._running: collections.Counter[int] = collections.Counter()
         self._threads = 0
         self._closed = False
-
-    @property
-    def running(self) -> int:
-        with self._lock:
-            return sum(self._running.values())
 
     def submit(self, work: Work) -> None:
         with self._lock:

@@ -348,9 +348,9 @@ def test_a_preempted_generation_with_forced_rows_resumes_to_the_same_answer() ->
 def test_an_answer_closes_when_its_compile_ends_after_the_prompt(
         batching: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compile still running when the prompt is fed (a loaded machine) is waited for
-    before the answer's first token: the answer still has its way to close. With the
-    step loop nothing blocks meanwhile: the prompt is fed beside the compile, and the
-    sequence keeps its logits until the compile ends."""
+    before the answer's first token: the answer still has its way to close. Nothing
+    blocks meanwhile, whichever executor steps (paged, or slots): the prompt is fed
+    beside the compile, and the sequence keeps its logits until the compile ends."""
     slow, needed = threading.Event(), threading.Event()
     compile_, wait = GrammarCompiler._compile, Constraint.wait
 
@@ -368,12 +368,9 @@ def test_an_answer_closes_when_its_compile_ends_after_the_prompt(
     prepared = engine.prepare(request("open", 6, max_tokens=40))
     assert prepared.constraint is not None and not prepared.constraint.future.done()
     gen = engine.submit(prepared)
-    if batching:
-        wait_for(lambda: gen.seq is not None and gen.seq.logits is not None, 30,
-                 "the prompt fed, its first token waiting for the compile")
-        assert not needed.is_set() and not prepared.constraint.future.done()
-    else:
-        assert needed.wait(30)
+    wait_for(lambda: gen.seq is not None and gen.seq.logits is not None, 30,
+             "the prompt fed, its first token waiting for the compile")
+    assert not needed.is_set() and not prepared.constraint.future.done()
     slow.set()
     result = gen.future.result(60)
     jsonschema.validate(json.loads(result.text), OPEN)

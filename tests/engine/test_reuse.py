@@ -86,15 +86,16 @@ def test_a_repeated_image_skips_decoding_and_encoding() -> None:
     assert result.usage.cached_tokens == 0 and result.usage.image_tokens == 54
 
 
-def test_kv_state_is_trimmed_to_the_common_prefix() -> None:
-    # A slot's own KV cache, trimmed to any row (the prompts share fewer rows than one
-    # block: see test_batch for the block-level prefix cache).
-    engine = Engine(parity_config(TINY, infer_requests=1, continuous_batching=False))
-    a = ask(engine, CASES["system"])
-    b = ask(engine, CASES["image_with_system"])  # shares the system prompt only
-    assert 0 < b.usage.cached_tokens < len(CASES["image_with_system"]["input_ids"])
-    assert b.token_ids == CASES["image_with_system"]["token_ids"]
-    assert a.token_ids == CASES["system"]["token_ids"]
+@pytest.mark.parametrize("batching", [True, False], ids=["paged", "slots"])
+def test_a_prefix_shared_in_whole_blocks_is_reused_exactly(batching: bool) -> None:
+    # The same 131-row prompt again: its rows are cached in whole blocks (all but the
+    # last row, whose logits give the first token), whichever executor steps (a slot's
+    # own cache is cut back to them).
+    engine = Engine(parity_config(TINY, infer_requests=1, continuous_batching=batching))
+    a, b = ask(engine, CASES["long"]), ask(engine, CASES["long"])
+    size = engine.blocks.block_size
+    assert a.usage.cached_tokens == 0 and b.usage.cached_tokens == 130 // size * size
+    assert a.token_ids == b.token_ids == CASES["long"]["token_ids"]
 
 
 def test_sessions_are_per_uid_and_one_never_sees_anothers() -> None:

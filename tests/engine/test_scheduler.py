@@ -208,14 +208,24 @@ def test_eight_long_budgets_run_at_once_in_a_cache_sized_for_two() -> None:
     assert engine.batch.preemptions == 0 and engine.blocks.stats()["held"] == 0
 
 
+EXECUTORS = {"paged": {}, "slots": {"continuous_batching": False},
+             "onnxruntime": {"backend": "onnxruntime"}}
+
+
+@pytest.mark.parametrize("executor", list(EXECUTORS))
 def test_generations_that_outgrow_the_pool_are_preempted_and_no_token_changes(
-        alone: Engine) -> None:
+        alone: Engine, executor: str) -> None:
     """Two answers of 500 tokens in a cache that holds one and a half: as they grow the
     pool runs dry, the later admitted gives its blocks up and computes them again once
-    the other ends; both keep the ids they get alone."""
-    engine = Engine(parity_config(TINY, max_sequences=2, kv_cache_mb=1,
-                                  max_new_tokens=1000))
-    assert engine.batch is not None and engine.blocks is not None
+    the other ends; both keep the ids they get alone. The same on every executor: the
+    paged model, and slots (OpenVINO's stateful model, ONNX Runtime) over the blocks."""
+    settings = dict(EXECUTORS[executor])
+    backend = settings.pop("backend", "openvino")
+    engine = Engine(parity_config(TINY, backend, max_sequences=2, kv_cache_mb=1,
+                                  max_new_tokens=1000, **settings))
+    if executor != "paged":  # sampled ids are compared on the same runtime
+        alone = Engine(parity_config(TINY, backend, infer_requests=1, max_sequences=1,
+                                     **settings))
     greedy = ask(500)
     sampled = ask(500, "image_gray", temperature=1.0, seed=11)
     rows = engine.blocks.num_blocks * engine.blocks.block_size

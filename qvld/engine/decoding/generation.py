@@ -1,4 +1,5 @@
-"""Positions (mRoPE), chunked prefill, the decode loop, stop rules and streaming text."""
+"""Positions (mRoPE), a prompt as fed, and one generation's token choice: stop rules,
+logprobs and streaming text (``Decoding``), whatever computed the logits."""
 
 from __future__ import annotations
 
@@ -82,7 +83,9 @@ class Outcome:
 
 def prefill(slot: Slot, prompt: Prompt, start: int, chunk: int,
             should_stop: Callable[[], bool]) -> np.ndarray | None:
-    """Feed prompt rows [start:] in chunks; the last chunk's logits, or None if stopped."""
+    """Feed prompt rows [start:] on one slot in chunks; the last chunk's logits, or None
+    if stopped (the engine feeds prompts in the step loop: this is for measuring a slot
+    alone, ``bench/logit_agreement.py``)."""
     vis_index = np.cumsum(prompt.visual_mask) - 1  # row -> index into visual_embeds
     logits = None
     for lo in range(start, len(prompt.ids), chunk):
@@ -98,7 +101,6 @@ def prefill(slot: Slot, prompt: Prompt, start: int, chunk: int,
         else:
             deepstack = slot.no_deepstack()
         logits = slot.step(embeds, prompt.positions[:, lo:hi], mask, deepstack)
-        slot.history.extend(prompt.keys[lo:hi])
     return logits
 
 
@@ -347,22 +349,3 @@ class Decoding:
                        decode_s=(t_end - first) if self.text.ids else 0.0,
                        cached_tokens=cached, token_gaps=self.gaps,
                        forced_tokens=self.forced_tokens, closed=self.closed)
-
-
-def run_generation(slot: Slot, prompt: Prompt, decoding: Decoding, *, chunk: int,
-                   cached: int = 0) -> Outcome:
-    """Prefill ``prompt`` from row ``cached`` on, then decode until a stop rule fires."""
-    t0 = time.perf_counter()
-    logits = prefill(slot, prompt, cached, chunk, decoding.should_stop)
-    if logits is None:
-        decoding.cancel()
-        return decoding.outcome(t0, time.perf_counter(), cached)
-    t_prefill = time.perf_counter()
-    while (tokens := decoding.accept(logits)) is not None:
-        # One row, or a forced run in one step.
-        ids = np.asarray(tokens, dtype=np.int64)
-        at = slot.past_len + prompt.rope_delta + np.arange(len(ids), dtype=np.int64)
-        logits = slot.step(slot.embed(ids), np.broadcast_to(at, (3, len(ids))),
-                           np.zeros(len(ids), dtype=bool), slot.no_deepstack())
-        slot.history.extend((token, None) for token in tokens)
-    return decoding.outcome(t0, t_prefill, cached)

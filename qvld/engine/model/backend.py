@@ -1,11 +1,21 @@
 """The seam between the engine and an inference runtime (``model.backend``).
 
 A backend loads the five submodels of a model directory (``Models``) and hands out
-``Slot``s: everything one generation runs on, its KV cache included. Everything above
-(images, prompts, positions, sampling, caches, sessions) is shared and talks only to these
-two protocols (in ``interface``). ``openvino`` (stateful KV cache inside infer requests) and
-``onnxruntime`` (KV cache as explicit tensors bound to the session's inputs and outputs)
-implement them; each runtime is imported only by its own module, and only here.
+``Slot``s (the vision models, the embeddings, a language model with one sequence's KV
+cache) and the step loop's ``PagedModel``. Everything above (images, prompts, positions,
+sampling, caches, sessions, scheduling) is shared and talks only to these protocols (in
+``interface``). Which runtime does what:
+
+- ``openvino``: every submodel; the language model in paged-attention form (every
+  scheduled sequence's rows in one inference over the KV blocks), or with
+  ``engine.continuous_batching: false`` stateful (the KV cache inside an infer request)
+  behind ``slot_paged.SlotPaged``.
+- ``onnxruntime``: every submodel, the KV cache as tensors bound to the language
+  model's inputs and outputs, behind ``SlotPaged``; or, as the prompt backend beside
+  OpenVINO (``model.prompt_backend``), the vision models and prompt prefills, whose
+  rows are copied into OpenVINO's paged cache.
+
+Each runtime is imported only by its own module, and only here.
 """
 
 from __future__ import annotations
@@ -93,74 +103,28 @@ def _session_models() -> Any:
     return SessionModels
 
 
-def common_prefix(a: list[Any], b: list[Any]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class SlotPool:
-    """Slots with their KV caches, kept as a prefix cache per owner.
+    """The slots that encode images and embed prompts (one per slot worker; the step
+    loop's model has slots of its own): ``acquire`` hands out a free one, waiting for
+    one when all are taken. All are created up front: no allocation per request."""
 
-    ``acquire(keys, owner)`` hands out the free slot whose history shares the longest
-    prefix with ``keys`` among those ``owner`` filled (the least recently used one when
-    none does, so that recent caches survive); a slot last filled by another owner is
-    reset first, so its prefix counts as 0: whether a prefix was cached shows in a reply,
-    and must not tell one user what another asked. The owner is a uid, or None for
-    everyone when caches are shared. Retained KV caches beyond ``budget_tokens`` are
-    evicted LRU. All slots are created up front: no allocation per request.
-    """
-
-    def __init__(self, models: Models, size: int, budget_tokens: int | None = None) -> None:
+    def __init__(self, models: Models, size: int) -> None:
         self.slots = [models.new_slot() for _ in range(size)]
-        self.budget_tokens = budget_tokens
-        self._free: list[Slot] = list(self.slots)  # least recently used first
-        self._owners: dict[int, int | None] = {id(slot): None for slot in self.slots}
+        self._free: list[Slot] = list(self.slots)
         self._cond = threading.Condition()
 
-    def _reusable(self, slot: Slot, keys: list[tuple[int, bytes | None]],
-                  owner: int | None) -> int:
-        return common_prefix(slot.history, keys) if self._owners[id(slot)] == owner else 0
-
     @contextmanager
-    def acquire(self, keys: list[tuple[int, bytes | None]] | None = None,
-                owner: int | None = None) -> Iterator[Slot]:
+    def acquire(self) -> Iterator[Slot]:
         with self._cond:
             while not self._free:
                 self._cond.wait()
-            best = max(range(len(self._free)),
-                       key=lambda i: (self._reusable(self._free[i], keys or [], owner), -i))
-            slot = self._free.pop(best)
-            stale = self._owners[id(slot)] != owner
-            self._owners[id(slot)] = owner
+            slot = self._free.pop()
         try:
-            if stale:
-                slot.reset()  # another owner's KV cache: never a prefix for this one
             yield slot
-        except BaseException:
-            slot.reset()  # a failed run leaves the KV cache unknown
-            raise
         finally:
             with self._cond:
                 self._free.append(slot)
-                self._evict()
                 self._cond.notify()
-
-    def _evict(self) -> None:
-        """Drop the least recently used idle KV caches beyond the budget (lock held)."""
-        if self.budget_tokens is None:
-            return
-        held = sum(slot.past_len for slot in self.slots)
-        for slot in self._free:  # least recently used first
-            if held <= self.budget_tokens:
-                break
-            held -= slot.past_len
-            slot.reset()
-
-    def cached_tokens(self) -> int:
-        return sum(slot.past_len for slot in self.slots)
 
 
 _MADV_DONTNEED = 4

@@ -1,7 +1,9 @@
 """What a runtime hands the engine: ``Models`` (the five submodels, loaded) and ``Slot``s
-(everything one generation runs on, its KV cache included), plus ``SlotBase``, the
-bookkeeping every backend's slot shares. The runtimes (``openvino``, ``onnxruntime``)
-implement these; ``backend`` picks one and pools its slots. Imports no runtime.
+(the vision models, the embeddings, and a language model with one sequence's KV cache),
+``PagedModel`` (the language model the step loop runs, over KV blocks), plus
+``SlotBase``, the bookkeeping every backend's slot shares. The runtimes (``openvino``,
+``onnxruntime``) implement these; ``backend`` picks one and pools its slots. Imports no
+runtime.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ class Slot(Protocol):
     """One generation's runners and KV cache."""
 
     past_len: int
-    # (token id, image hash or None) per position held in the KV cache.
-    history: list[tuple[int, bytes | None]]
     # When the inference call now running started (the watchdog looks at it).
     busy_since: float | None
     # Where prompts are prefilled when another runtime does it (model.prompt_backend).
@@ -53,29 +53,30 @@ class Slot(Protocol):
 
 
 class RowsSlot(Slot, Protocol):
-    """A slot whose KV cache can be loaded from and read out as arrays: it prefills
-    prompts for another runtime's paged cache (``model.prompt_backend``)."""
+    """A slot whose KV cache can be loaded from and read out as arrays: it runs
+    sequences behind ``slot_paged.SlotPaged`` (a runtime without paged attention), or
+    prefills prompts for another runtime's paged cache (``model.prompt_backend``)."""
 
     def load_rows(self, kv: list[np.ndarray]) -> None:
         """Replace the cache with ``kv`` (f32 [1, heads, rows, head_dim], key then value
         per layer); ``past_len`` becomes its row count."""
 
     def rows_from(self, start: int) -> list[np.ndarray]:
-        """The cache's rows [start:] (same layout), as arrays of their own."""
+        """The cache's rows [start:] (same layout); they may be views of the cache,
+        valid until the next ``step``, ``trim`` or ``reset``."""
 
 
 class SlotBase:
     """What every backend's slot keeps beside its KV cache, and how it is cut back.
 
     Subclasses say how their cache is dropped and truncated; the bookkeeping (length,
-    the prefix-cache keys, the watchdog's clock) and the step buffers allocated once
+    the watchdog's clock) and the step buffers allocated once
     (the attention mask, the empty deepstack, the logits handed to the sampler) are the
     same for all.
     """
 
     def __init__(self, deepstack_layers: int, hidden_size: int) -> None:
         self.past_len = 0
-        self.history: list[tuple[int, bytes | None]] = []
         self.busy_since: float | None = None
         # Where this slot's prompts are prefilled when another runtime does it.
         self.prompt_slot: RowsSlot | None = None
@@ -92,7 +93,6 @@ class SlotBase:
     def reset(self) -> None:
         self._drop_cache()
         self.past_len = 0
-        self.history = []
 
     def trim(self, keep: int) -> None:
         """Keep the first ``keep`` positions of the KV cache."""
@@ -102,7 +102,6 @@ class SlotBase:
         if keep < self.past_len:
             self._truncate_cache(keep)
             self.past_len = keep
-        del self.history[keep:]
 
     @contextmanager
     def _running(self) -> Iterator[None]:
@@ -174,10 +173,11 @@ class Models(Protocol):
     # What the runtime actually runs with (logged, reported by status and metrics).
     runtime_properties: dict[str, str]
 
-    # Whether the language model was compiled for continuous batching (``new_paged``);
-    # a backend without it runs one generation per slot.
+    # Whether the language model runs in paged-attention form (every scheduled
+    # sequence's rows in one inference); without it ``new_paged`` puts slots behind
+    # ``slot_paged.SlotPaged`` (one sequence per inference): the step loop runs either.
     paged: bool
-    kv_block_size: int  # rows per KV block when paged
+    kv_block_size: int  # rows per KV block
 
     # The runtime that encodes images and prefills prompts when it is not this one
     # (``model.prompt_backend``), else None.
@@ -185,4 +185,6 @@ class Models(Protocol):
 
     def new_slot(self) -> Slot: ...
 
-    def new_paged(self, num_blocks: int) -> PagedModel: ...
+    def new_paged(self, num_blocks: int, slots: int) -> PagedModel:
+        """The step loop's model over ``num_blocks`` KV blocks (``slots``: how many
+        sequences' caches a runtime without paged attention keeps at once)."""

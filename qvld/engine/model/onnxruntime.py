@@ -16,9 +16,10 @@ length), so a planned pattern never repeats.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -26,6 +27,7 @@ import onnxruntime as ort
 from qvld.config import EngineConfig, ModelConfig
 from qvld.engine.model.interface import SlotBase
 from qvld.engine.model.model_dir import SUBMODELS, ModelSpec
+from qvld.engine.model.slot_paged import BLOCK_ROWS, KvLayout, SlotPaged
 from qvld.errors import ModelInvalid
 
 
@@ -110,8 +112,11 @@ class SessionModels:
                                  spec.onnx(sub).name + ".data")) if p.exists()}
         self.runtime = "onnxruntime"
         self.prompt = None
-        self.paged = False  # one sequence per step: no continuous batching here
-        self.kv_block_size = 0
+        # One sequence per inference: the step loop runs it through ``SlotPaged``, whose
+        # f32 blocks are what engine.kv_cache_mb holds.
+        self.paged = False
+        self.kv_layout = KvLayout(2 * spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.kv_block_size = BLOCK_ROWS
         self.runtime_version = str(ort.__version__)
         self.runtime_properties = {
             "BACKEND": f"onnxruntime {ort.__version__}",
@@ -126,8 +131,20 @@ class SessionModels:
     def new_slot(self) -> Slot:
         return Slot(self)
 
-    def new_paged(self, num_blocks: int) -> NoReturn:
-        raise NotImplementedError("the ONNX Runtime backend runs one generation per slot")
+    def new_paged(self, num_blocks: int, slots: int) -> SlotPaged:
+        """The step loop's model: ``slots`` slots behind a block store."""
+        return SlotPaged(self.new_slot, slots, num_blocks, self.kv_layout)
+
+
+def _view(value: ort.OrtValue) -> np.ndarray:
+    """An f32 CPU OrtValue as a numpy view of its memory (valid while it lives)."""
+    shape = tuple(value.shape())
+    count = int(np.prod(shape))
+    if not count:
+        return np.zeros(shape, np.float32)
+    buffer = (ctypes.c_float * count).from_address(value.data_ptr())
+    view: np.ndarray = np.ctypeslib.as_array(buffer).reshape(shape)
+    return view
 
 
 def _first_line(exc: BaseException) -> str:
@@ -175,11 +192,10 @@ class Slot(SlotBase):
     def load_rows(self, kv: list[np.ndarray]) -> None:
         self._hold([np.ascontiguousarray(a, dtype=np.float32) for a in kv])
         self.past_len = kv[0].shape[2]
-        self.history = []
 
     def rows_from(self, start: int) -> list[np.ndarray]:
-        # numpy() copies out of the OrtValue already: the slice is a view of that copy.
-        return [value.numpy()[:, :, start:] for value in self._kv]
+        # Views of the cache's own memory (numpy() would copy every row, every step).
+        return [_view(value)[:, :, start:] for value in self._kv]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         out = self._run(self._embed, {"input": ids.reshape(1, -1).astype(np.int64)})

@@ -11,6 +11,7 @@ The compiled-model cache is verified before OpenVINO sees it (``model_cache``).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from qvld.config import EngineConfig, ModelConfig
 from qvld.engine.model.compiled_cache import cache_key, open_model_cache
 from qvld.engine.model.interface import SlotBase
 from qvld.engine.model.model_dir import LANGUAGE_SUBMODELS, SUBMODELS, ModelSpec
+from qvld.engine.model.slot_paged import BLOCK_ROWS, KvLayout, SlotPaged
 from qvld.errors import ModelInvalid
 
 log = logging.getLogger("qvld.engine")
@@ -265,8 +267,13 @@ class CompiledModels:
         kv_bytes = max(1, (kv_type.bitwidth + 7) // 8) if hasattr(kv_type, "bitwidth") else 2
         # keys and values, every layer, every KV head.
         self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_bytes
-        self.kv_block_size = 0
-        if self.paged:  # what the plugin's cache layout takes (u8 adds scales per row)
+        self.kv_layout = KvLayout(2 * spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        # Without paged attention the step loop runs the stateful model through
+        # ``SlotPaged``, whose f32 blocks are what engine.kv_cache_mb holds.
+        self.kv_block_size = BLOCK_ROWS
+        if not self.paged:
+            self.kv_bytes_per_token = self.kv_layout.bytes_per_token
+        else:  # what the plugin's cache layout takes (u8 adds scales per row)
             self.kv_block_size = PagedLanguage.block_size_of(self.language)
             self.kv_bytes_per_token = -(-PagedLanguage.bytes_per_block(self.language)
                                         // self.kv_block_size)
@@ -285,9 +292,11 @@ class CompiledModels:
     def new_slot(self) -> Slot:
         return Slot(self)
 
-    def new_paged(self, num_blocks: int) -> PagedLanguage:
+    def new_paged(self, num_blocks: int, slots: int) -> PagedLanguage | SlotPaged:
+        """The step loop's model: the paged-attention language model, or (compiled
+        stateful) ``slots`` slots behind a block store."""
         if not self.paged:
-            raise RuntimeError("the language model was compiled without paged attention")
+            return SlotPaged(self.new_slot, slots, num_blocks, self.kv_layout)
         return PagedLanguage(self, num_blocks)
 
 
@@ -319,6 +328,14 @@ def _sequence_axis(shape: Any, length: int) -> int:
     return matches[-1]
 
 
+def _state_key(name: str) -> tuple[int, int]:
+    """(layer, 0 for keys / 1 for values) of a KV state ("past_key_values.3.key...")."""
+    match = re.match(r"past_key_values\.(\d+)\.(key|value)", name)
+    if match is None:
+        raise ModelInvalid(f"the language model's state {name!r} is not a KV cache")
+    return int(match[1]), match[2] == "value"
+
+
 def _last_line(exc: BaseException) -> str:
     """OpenVINO's messages span lines; the last non-empty one says what is wrong."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -344,6 +361,7 @@ class Slot(SlotBase):
         self._vision_pos = models.vision_pos and models.vision_pos.create_infer_request()
         self._merger = models.vision_merger and models.vision_merger.create_infer_request()
         self._beam_idx = np.zeros(1, dtype=np.int32)  # allocated once, passed every step
+        self._state_order: list[int] | None = None
         if models.prompt is not None:
             self.prompt_slot = models.prompt.new_slot()
 
@@ -364,6 +382,24 @@ class Slot(SlotBase):
             index = [slice(None)] * data.ndim
             index[axis] = slice(0, keep)
             state.state = ov.Tensor(np.ascontiguousarray(data[tuple(index)]))
+
+    def _states(self) -> list[Any]:
+        """The KV states in past_key_values order: key then value of each layer."""
+        assert self._lm is not None
+        if self._state_order is None:
+            names = [state.name for state in self._lm.query_state()]
+            self._state_order = sorted(range(len(names)), key=lambda i: _state_key(names[i]))
+        states = self._lm.query_state()
+        return [states[i] for i in self._state_order]
+
+    def load_rows(self, kv: list[np.ndarray]) -> None:
+        for state, rows in zip(self._states(), kv, strict=True):
+            state.state = ov.Tensor(np.ascontiguousarray(rows, dtype=np.float32))
+        self.past_len = kv[0].shape[2]
+
+    def rows_from(self, start: int) -> list[np.ndarray]:
+        # [batch, kv heads, rows, head dim], as the runtime converts it out (f32).
+        return [state.state.data[:, :, start:] for state in self._states()]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         out = self._infer(self._embed, {"input": ids.reshape(1, -1).astype(np.int64)})
