@@ -16,7 +16,7 @@ length), so a planned pattern never repeats.
 
 from __future__ import annotations
 
-import ctypes
+import math
 import os
 import threading
 from typing import Any
@@ -136,14 +136,20 @@ class SessionModels:
         return SlotPaged(self.new_slot, slots, num_blocks, self.kv_layout)
 
 
+class _Memory:
+    """An f32 buffer at an address, as numpy's array interface describes one."""
+
+    def __init__(self, address: int, shape: tuple[int, ...]) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": shape,
+                                    "typestr": "<f4", "version": 3}
+
+
 def _view(value: ort.OrtValue) -> np.ndarray:
     """An f32 CPU OrtValue as a numpy view of its memory (valid while it lives)."""
     shape = tuple(value.shape())
-    count = int(np.prod(shape))
-    if not count:
+    if not math.prod(shape):
         return np.zeros(shape, np.float32)
-    buffer = (ctypes.c_float * count).from_address(value.data_ptr())
-    view: np.ndarray = np.ctypeslib.as_array(buffer).reshape(shape)
+    view: np.ndarray = np.asarray(_Memory(value.data_ptr(), shape))
     return view
 
 
