@@ -435,8 +435,12 @@ def test_the_users_own_ctrl_c_still_exits_130_quietly(
         fake: Callable[[Responder], Path]) -> None:
     # The daemon streams one token and never finishes: the user gives up.
     sock = fake(lambda request: [packed(protocol.token_event(request["id"], "waiting", [1]))])
+    # Ctrl-C as a terminal delivers it: a test run started in the background (`make
+    # test &`) hands its children SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt.
     proc = subprocess.Popen(qvlctl_argv(sock, "ask", "Q?"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None and proc.stderr is not None
     ready, _, _ = select.select([proc.stdout], [], [], 30)
     assert ready and os.read(proc.stdout.fileno(), 100) == b"waiting"

@@ -76,7 +76,10 @@ def test_an_interrupted_conversion_leaves_nothing(checkpoint: Path, tmp_path: Pa
     dst = tmp_path / "never"
     proc = subprocess.Popen([sys.executable, "-m", "qvlctl.cli", "model", "convert",
                              str(checkpoint), str(dst), "--weights", "int8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # Ctrl-C as a terminal delivers it (a background test run
+                            # hands its children SIGINT ignored).
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".never.partial-*")):  # the export has started
         assert time.monotonic() < deadline and proc.poll() is None
