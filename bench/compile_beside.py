@@ -3,14 +3,15 @@ should come in about max(compile, encode + prefill), not their sum (#45), on eve
 runtime (the compile runs on its grammar thread while the picture is encoded and the
 prompt fed; only the first constrained token waits for it).
 
-    python bench/compile_beside.py [MODEL] [--backend openvino|onnxruntime]
-                                   [--continuous-batching on|off] [--rounds 3]
-                                   [--fields 1500] [--words 1500] [--size 448]
+    python bench/compile_beside.py [MODEL] [--set model.backend=onnxruntime]
+                                   [--tree OLD] [--rounds 3] [--fields 1200]
+                                   [--words 300] [--size 448]
 
-Each round, on one engine, interleaved: (P) a fresh picture and a question, no format:
-its time to first token is the encode + prefill; (C) the compile of a schema never seen
-before (``--fields`` string properties with patterns: a compile of ~0.5-1 s here), alone;
-(T) another fresh picture and another new schema together. Printed per round and as
+A real daemon on a socket (and ``--tree``'s, interleaved round by round). Each round:
+(P) a fresh picture and a question, no format: its time to first token (streamed, as the
+client sees it) is the encode + prefill; (C) the compile of a schema never seen before
+(``--fields`` string properties with patterns), alone in this process; (T) another fresh
+picture and another new schema in one request. Printed per round and as
 medians: T / max(C, P) (1.0: fully beside) and T / (C + P) (1.0: one after the other).
 ``--words`` of text after the picture make the prefill long enough to compare with the
 compile on a small model. MODEL defaults to the tiny test model.
@@ -21,8 +22,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,10 +35,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
 
-from qvld.config import Config, EngineConfig, ModelConfig  # noqa: E402
-from qvld.engine import Engine, GenerateRequest  # noqa: E402
-from qvld.engine.decoding.constraints import parse_response_format  # noqa: E402
+from systems import _start_daemon  # noqa: E402
+
+from qvld.engine.decoding.constraints import GrammarCompiler, parse_response_format  # noqa: E402
 
 WORDS = ["harbour", "lantern", "granite", "meadow", "copper", "willow", "signal", "orchid",
          "valley", "ember", "quartz", "tundra"]
@@ -54,69 +58,115 @@ def picture(seed: int, size: int) -> bytes:
 def schema(seed: int, fields: int) -> dict[str, Any]:
     """A schema never compiled before: ``fields`` required strings with patterns."""
     def pattern(i: int) -> str:
-        return f"^[A-Z]{{2}}[0-9]{{{i % 7 + 1}}}(-[a-z]{{3,8}}){{1,3}}$"
+        return f"^[A-Z]{{2}}[0-9]{{{i % 7 + 1}}}(-[a-z]{{3,12}}){{1,9}}$"
 
-    props = {f"field_{seed}_{i}": {"type": "string", "pattern": pattern(i)}
+    props = {f"f{seed}_{i}": {"type": "string", "pattern": pattern(i)}
              for i in range(fields)}
     return {"type": "object", "properties": props, "required": list(props)}
 
 
-def request(seed: int, args: argparse.Namespace, fmt: dict[str, Any] | None) -> GenerateRequest:
+def params(seed: int, args: argparse.Namespace, fmt: dict[str, Any] | None) -> dict[str, Any]:
     text = " ".join(WORDS[(seed + i) % len(WORDS)] for i in range(args.words))
-    return GenerateRequest(
-        messages=[{"role": "user", "content": [
+    out: dict[str, Any] = {
+        "messages": [{"role": "user", "content": [
             {"type": "image", "image": picture(seed, args.size)},
             {"type": "text", "text": f"{text}. Describe the picture."}]}],
-        max_tokens=1, temperature=0.0,
-        response_format=None if fmt is None else parse_response_format(
-            {"type": "json_schema", "schema": fmt}))
+        "max_tokens": 1, "temperature": 0.0}
+    if fmt is not None:
+        out["response_format"] = {"type": "json_schema", "schema": fmt}
+    return out
+
+
+def first_token(client: Any, request: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """Seconds from sending ``request`` to its first streamed token, as the client sees
+    them (a wait in the daemon's handler counts), and the result."""
+    firsts: list[float] = []
+    t0 = time.perf_counter()
+    result = client.generate(request, on_token=lambda *_: firsts.append(time.perf_counter()))
+    assert firsts, "the answer streamed no token"
+    return firsts[0] - t0, result
+
+
+def compile_alone(model: Path, seed: int, fields: int) -> float:
+    """The schema's compile on a compiler of this process (its trie built first)."""
+    spec = json.loads((model / "config.json").read_text())
+    vocab = int(spec.get("text_config", spec)["vocab_size"])
+    compiler = GrammarCompiler(model / "tokenizer.json", vocab, [0])
+    compiler.load()
+    fmt = parse_response_format({"type": "json_schema", "schema": schema(seed, fields)})
+    assert fmt is not None
+    t0 = time.perf_counter()
+    compiler.start(fmt, 60).wait()
+    seconds = time.perf_counter() - t0
+    compiler.close()
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", type=Path, nargs="?",
                         default=ROOT / "tests" / "fixtures" / "models" / "tiny")
-    parser.add_argument("--backend", default="openvino", choices=["openvino", "onnxruntime"])
-    parser.add_argument("--continuous-batching", default="on", choices=["on", "off"])
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="qvld settings (e.g. model.backend=onnxruntime)")
+    parser.add_argument("--tree", type=Path, help="also run this checkout's qvld "
+                        "(a git worktree of an earlier commit), interleaved")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--fields", type=int, default=1500)
-    parser.add_argument("--words", type=int, default=1500)
+    parser.add_argument("--fields", type=int, default=1200)
+    parser.add_argument("--words", type=int, default=300)
     parser.add_argument("--size", type=int, default=448)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
-    engine = Engine(Config(model=ModelConfig(path=args.model, backend=args.backend),
-                           engine=EngineConfig(continuous_batching=args.continuous_batching == "on",
-                                               grammar_compile_timeout_s=60)))
-    engine.warmup()
-    rows: list[dict[str, Any]] = []
-    for r in range(args.rounds):
-        seed = 1000 * (r + 1)
-        prefill = engine.generate(request(seed, args, None)).timings.ttft_s
-        t0 = time.perf_counter()
-        fmt = parse_response_format({"type": "json_schema",
-                                     "schema": schema(seed + 1, args.fields)})
-        assert fmt is not None
-        engine.grammars.start(fmt, 60).wait()
-        compile_s = time.perf_counter() - t0
-        both = engine.generate(request(seed + 2, args, schema(seed + 2, args.fields)))
-        rows.append({"prefill_s": prefill, "compile_s": compile_s, "both_s": both.timings.ttft_s,
-                     "engine_compile_s": both.grammar_compile_s,
-                     "prompt_tokens": both.usage.prompt_tokens})
-        row = rows[-1]
-        print(f"round {r + 1}: encode+prefill {prefill:.3f} s ({row['prompt_tokens']} rows), "
-              f"compile {compile_s:.3f} s alone, together {row['both_s']:.3f} s: "
-              f"{row['both_s'] / max(prefill, compile_s):.2f}x the larger, "
-              f"{row['both_s'] / (prefill + compile_s):.2f}x the sum", flush=True)
-    beside = statistics.median(r["both_s"] / max(r["prefill_s"], r["compile_s"]) for r in rows)
-    summed = statistics.median(r["both_s"] / (r["prefill_s"] + r["compile_s"]) for r in rows)
-    executor = (f"{args.backend}" + (" (stateful, slots)" if args.continuous_batching == "off"
-                                     and args.backend == "openvino" else ""))
-    print(f"{executor}: first token {beside:.2f}x max(compile, encode+prefill), "
-          f"{summed:.2f}x their sum (median of {len(rows)} rounds)")
+    from qvlctl.client import Client
+
+    extra = tuple(a for kv in [*args.set, "engine.grammar_compile_timeout_s=60"]
+                  for a in ("--set", kv))
+    systems: dict[str, Path | None] = {"qvld": None}
+    if args.tree is not None:
+        systems["qvld@tree"] = args.tree.resolve()
+    workdir = Path(tempfile.mkdtemp(prefix="qvld-bench-"))
+    daemons = {}
+    try:
+        for name, source in systems.items():
+            work = workdir / name
+            work.mkdir()
+            proc, _ = _start_daemon(args.model.resolve(), work, work / "cache", extra,
+                                    source=source)
+            daemons[name] = (proc, work / "qvld.sock")
+        rows: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+        for r in range(args.rounds):
+            for n, (name, (_, sock)) in enumerate(daemons.items()):
+                seed = 1000 * (r + 1) + 10 * n
+                compile_s = compile_alone(args.model, seed + 1, args.fields)
+                with Client(sock, timeout=600) as client:
+                    prefill, _ = first_token(client, params(seed, args, None))
+                    both_s, both = first_token(client, params(
+                        seed + 2, args, schema(seed + 2, args.fields)))
+                row = {"prefill_s": prefill, "compile_s": compile_s, "both_s": both_s,
+                       "prompt_tokens": both["usage"]["prompt_tokens"]}
+                rows[name].append(row)
+                print(f"round {r + 1} {name}: encode+prefill {prefill:.3f} s "
+                      f"({row['prompt_tokens']} rows), compile {compile_s:.3f} s alone, "
+                      f"together {row['both_s']:.3f} s: "
+                      f"{row['both_s'] / max(prefill, compile_s):.2f}x the larger, "
+                      f"{row['both_s'] / (prefill + compile_s):.2f}x the sum", flush=True)
+    finally:
+        for proc, _ in daemons.values():
+            proc.terminate()
+            proc.wait(60)
+        shutil.rmtree(workdir, ignore_errors=True)
+    summary = {}
+    for name, runs in rows.items():
+        beside = statistics.median(r["both_s"] / max(r["prefill_s"], r["compile_s"])
+                                   for r in runs)
+        summed = statistics.median(r["both_s"] / (r["prefill_s"] + r["compile_s"])
+                                   for r in runs)
+        summary[name] = {"vs_max": beside, "vs_sum": summed, "rounds": runs}
+        print(f"{name} ({' '.join(args.set) or 'defaults'}): first token {beside:.2f}x "
+              f"max(compile, encode+prefill), {summed:.2f}x their sum "
+              f"(median of {len(runs)} rounds)")
     if args.json:
-        args.json.write_text(json.dumps({"rounds": rows, "vs_max": beside, "vs_sum": summed,
-                                         "backend": executor}, indent=1))
+        args.json.write_text(json.dumps(summary, indent=1))
     return 0
 
 

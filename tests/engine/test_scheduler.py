@@ -212,7 +212,10 @@ EXECUTORS = {"paged": {}, "slots": {"continuous_batching": False},
              "onnxruntime": {"backend": "onnxruntime"}}
 
 
-@pytest.mark.parametrize("executor", list(EXECUTORS))
+# The slot executors' runs are in the slow tier (test_slot_paged keeps them exact with
+# reloads in the default one): the default tier stays under 5 minutes.
+@pytest.mark.parametrize("executor", [
+    "paged", *(pytest.param(name, marks=pytest.mark.slow) for name in ("slots", "onnxruntime"))])
 def test_generations_that_outgrow_the_pool_are_preempted_and_no_token_changes(
         alone: Engine, executor: str) -> None:
     """Two answers of 500 tokens in a cache that holds one and a half: as they grow the
