@@ -480,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", parents=[sampling],
                           help="a conversation about images, kept as a daemon session "
-                               "(/image PATH, /reset, /quit)")
+                               "(/image PATH, /video PATH, /set KEY VALUE, /reset, /quit; "
+                               "Ctrl-C stops an answer, Ctrl-D leaves)")
     chat.add_argument("images", nargs="*", metavar="IMAGE",
                       help="images for the first message")
     chat.set_defaults(func=cmd_chat)

@@ -8,6 +8,7 @@ malformed replies, a socket this user may not open, an empty --socket.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -314,6 +315,131 @@ def test_chat_streams_pick_their_own_rendering(fake: Callable[[Responder], Path]
     with Client(sock, timeout=10) as client:
         Chat(client, {}, [], None, out=out, err=err).loop(io.StringIO("Hi\n"))
     assert out.getvalue() == f"qvl> {EVIL}\n" and "TTFT" in err.getvalue()
+
+
+class Terminal:
+    """qvlctl on a pseudo-terminal it has as its controlling terminal, as a person runs
+    it: keys typed go through the terminal's line discipline (Ctrl-C is SIGINT to it)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: SIGINT as a shell gives a foreground command
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.execvpe(argv[0], argv, env)
+        self.pid, self.fd = pid, fd
+        self.shown = ""
+        self.seen = 0  # how much of ``shown`` earlier expects consumed
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.fd, keys)
+
+    def expect(self, text: str, timeout: float = 30) -> str:
+        """Read until ``text`` appears after what earlier expects consumed."""
+        deadline = time.monotonic() + timeout
+        while (at := self.shown.find(text, self.seen)) < 0:
+            assert time.monotonic() < deadline, f"no {text!r} in {self.shown[self.seen:]!r}"
+            ready, _, _ = select.select([self.fd], [], [], 0.1)
+            if ready:
+                try:
+                    self.shown += os.read(self.fd, 65536).decode(errors="replace")
+                except OSError:  # EIO: the program is gone
+                    break
+        assert at >= 0, f"no {text!r} in {self.shown[self.seen:]!r}"
+        self.seen = at + len(text)
+        return self.shown[:self.seen]
+
+    def exit_code(self, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                os.close(self.fd)
+                return os.waitstatus_to_exitcode(status)
+            assert time.monotonic() < deadline, "qvlctl did not leave"
+            with contextlib.suppress(OSError):
+                if select.select([self.fd], [], [], 0.1)[0]:
+                    self.shown += os.read(self.fd, 65536).decode(errors="replace")
+
+
+def chat_on_a_terminal(sock: Path, tmp_path: Path) -> Terminal:
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state"),
+           "TERM": "xterm"}
+    return Terminal(qvlctl_argv(sock, "chat"), env)
+
+
+def user_texts(daemon_requests: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(the user's words, the params) of each generate the daemon got."""
+    out = []
+    for request in daemon_requests:
+        if request["op"] == "generate":
+            parts = request["params"]["messages"][-1]["content"]
+            out.append(("".join(p.get("text", "") for p in parts), request["params"]))
+    return out
+
+
+def test_chat_on_a_terminal_edits_lines_recalls_history_and_sets_parameters(
+        fake: Callable[[Responder], Path], tmp_path: Path) -> None:
+    # #49: the Up arrow was sent to the model as "^[[A"; no /set; one line per message.
+    asked: list[dict[str, Any]] = []
+    sock = fake(lambda request: asked.append(request) or answers(["ok"])(request))
+    term = chat_on_a_terminal(sock, tmp_path)
+    term.expect("you> ")
+    term.type(b"Hellp\x7fo\r")  # a typo, erased with backspace
+    term.expect("qvl> ok")
+    term.expect("you> ")
+    term.type(b"/set temperature 0.3\r")
+    term.expect("(temperature 0.3)")
+    term.expect("you> ")
+    term.type(b"\x1b[A\x1b[A\r")  # Up twice: "Hello" again, edited by readline
+    term.expect("qvl> ok")
+    term.expect("you> ")
+    term.type(b'"""first line\r')
+    term.expect("... ")
+    term.type(b'second line"""\r')
+    term.expect("qvl> ok")
+    term.expect("you> ")
+    term.type(b"/set top_k lots\r")
+    term.expect("takes a int, not 'lots'")
+    term.expect("you> ")
+    term.type(b"\x04")  # Ctrl-D leaves
+    assert term.exit_code() == 0
+    sent = user_texts(asked)
+    assert [text for text, _ in sent] == ["Hello", "Hello", "first line\nsecond line"]
+    assert "temperature" not in sent[0][1] and sent[1][1]["temperature"] == 0.3
+    assert len({params["session"] for _, params in sent}) == 1
+    # Kept for the next chat.
+    assert "Hello" in (tmp_path / "state" / "qvlctl" / "chat_history").read_text()
+
+
+def test_ctrl_c_on_a_terminal_stops_the_answer_and_the_chat_goes_on(
+        fake: Callable[[Responder], Path], tmp_path: Path) -> None:
+    # #49: Ctrl-C quit the chat instead of stopping the answer.
+    calls = []
+
+    def respond(request: dict[str, Any]) -> list[bytes]:
+        if request["op"] == "generate":
+            calls.append(request)
+            if len(calls) == 1:  # streams one token, never ends: the user gives up
+                return [packed(protocol.token_event(request["id"], "waiting", [1]))]
+        return answers(["fine"])(request)
+
+    sock = fake(respond)
+    term = chat_on_a_terminal(sock, tmp_path)
+    term.expect("you> ")
+    term.type(b"Hi\r")
+    term.expect("qvl> waiting")
+    term.type(b"\x03")  # Ctrl-C
+    term.expect("(stopped)")
+    term.expect("you> ")
+    term.type(b"half a line\x03")  # Ctrl-C at the prompt drops the line, stays
+    term.expect("you> ")
+    term.type(b"Again\r")
+    term.expect("qvl> fine")
+    term.expect("you> ")
+    term.type(b"\x04")
+    assert term.exit_code() == 0
+    assert [text for text, _ in user_texts(calls)] == ["Hi", "Again"]
+    assert "Traceback" not in term.shown
 
 
 # -- 2. a socket this user may not open ------------------------------------------------------
