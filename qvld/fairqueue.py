@@ -1,7 +1,9 @@
 """Waiting work per user, taken round-robin, and results handed back to the event loop.
 
-Shared by the prepare stage and the slot workers: both are a few worker threads
-in front of which one user's burst must not starve another user's single request.
+Used by the prepare stage and the grammar compiler: a few worker threads in front of
+which one user's burst must not starve another user's single request (in the engine,
+the step scheduler is the one queue); ``within_share`` is the busy bound of the prepare
+stage and the engine.
 """
 
 from __future__ import annotations

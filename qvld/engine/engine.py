@@ -7,9 +7,10 @@ Who owns what, in the order a request meets them:
   tokens, decoded images (``prompts.PromptBuilder``, ``image``); a response format's
   compile started (``constraints.GrammarCompiler``, its own fair threads).
 - ``submit``: bounds the waiting generations (``server.queue_max`` beyond the free
-  places, each user's share kept for it) and hands the work to a slot worker
-  (``workers.SlotWorkers``, one thread per ``engine.infer_requests`` slot, fair
-  between uids).
+  places, each user's share kept for it) and hands each to the step loop as an
+  ``Arrival``: the scheduler, the one queue, starts its encode on a slot worker (one
+  thread per ``engine.infer_requests`` slot) when a slot is free and its user's turn
+  has come.
 - On the slot worker (``_start``): a session turn begun (``sessions.SessionStore``;
   its history joined, or started afresh when it cannot be rebuilt), then
   ``runners.LoopRunner``: the prompt's cached prefix held, its images encoded and rows
@@ -57,6 +58,7 @@ from qvld.engine.inputs.sessions import (
 from qvld.engine.inputs.tools import HeldText, ToolSet, split_calls
 from qvld.engine.inputs.vision import ImageEmbedding, encode_image
 from qvld.engine.loop.blocks import BlockPool
+from qvld.engine.loop.sequence import Arrival
 from qvld.engine.loop.step_loop import StepLoop
 from qvld.engine.model.backend import SlotPool, load_models, release_file_pages
 from qvld.engine.model.interface import RowsSlot
@@ -72,7 +74,6 @@ from qvld.engine.types import (
     TokenCallback,
     Usage,
 )
-from qvld.engine.workers import SlotWorkers, Work
 from qvld.errors import BadRequest, Busy, ModelInvalid, PromptTooLong
 from qvld.fairqueue import within_share
 
@@ -160,14 +161,14 @@ class Engine:
                               chunk=config.engine.prefill_chunk,
                               on_step=on_step, on_prefill=on_prefill,
                               runtime=self.models.runtime, prompt_slot=prompt_slot,
-                              prompt_runtime=prompt.runtime if prompt else "")
+                              prompt_runtime=prompt.runtime if prompt else "",
+                              encoders=config.engine.infer_requests)
         if prompt is not None and not paged.rows_accessible:
             log.warning("model.kv_cache_precision %s: prompts are prefilled by "
                         "OpenVINO (ONNX Runtime's rows go only into an f16 or f32 "
                         "cache); images are still encoded by ONNX Runtime",
                         config.model.kv_cache_precision)
         self.pool = SlotPool(self.models, config.engine.infer_requests)
-        self.workers = SlotWorkers(config.engine.infer_requests)
         self.queue_max = config.server.queue_max
         self._lock = threading.Lock()
         self._generations: set[Generation] = set()
@@ -477,20 +478,26 @@ class Engine:
 
     def _enqueue(self, gen: Generation, prepared: PreparedRequest,
                  on_token: TokenCallback | None) -> None:
-        gen.work = Work(uid=prepared.uid, should_stop=gen.should_stop,
-                        run=lambda: self._start(gen, prepared, on_token),
-                        on_drop=lambda: self._settle(gen, self._cancelled(prepared, gen)))
+        gen.arrival = Arrival(uid=prepared.uid, should_stop=gen.should_stop,
+                              encode=lambda: self._start(gen, prepared, on_token),
+                              drop=lambda: self._settle(gen, self._cancelled(prepared, gen)))
         with self._lock:
             self._generations.add(gen)
-        self.workers.submit(gen.work)
+        try:
+            self.batch.arrive(gen.arrival)
+        except BaseException:
+            with self._lock:
+                self._generations.discard(gen)
+            raise
 
     def cancel(self, gen: Generation) -> None:
-        """End ``gen``: at once while it waits, at its next step while it runs."""
+        """End ``gen``: waiting for a slot or a place, at the loop's next turn; running,
+        at its next step (an encode under way stops between images)."""
         gen.cancelled.set()
-        if gen.work is not None and self.workers.remove(gen.work):
-            gen.work.on_drop()
-        elif gen.seq is not None:
+        if gen.seq is not None:
             self.batch.cancel(gen.seq)
+        elif gen.arrival is not None:
+            self.batch.cancel_arrival(gen.arrival)
 
     def generations(self) -> list[Generation]:
         with self._lock:
@@ -507,9 +514,8 @@ class Engine:
         return running, total - running
 
     def close(self) -> None:
-        """Start nothing more: waiting generations end cancelled."""
-        for work in self.workers.close():
-            work.on_drop()
+        """Start nothing more: generations waiting for a slot end cancelled."""
+        self.batch.close()
 
     def run(self, prepared: PreparedRequest, on_token: TokenCallback | None = None,
             should_stop: Callable[[], bool] = never) -> GenerateResult:

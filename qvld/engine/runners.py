@@ -25,12 +25,11 @@ import numpy as np
 from qvld.engine.decoding.generation import Decoding, Outcome, Prompt, never
 from qvld.engine.inputs.prompt_builder import PromptBuilder, prompt_keys
 from qvld.engine.inputs.sessions import TurnInputs
-from qvld.engine.loop.sequence import Sequence
+from qvld.engine.loop.sequence import Arrival, Sequence
 from qvld.engine.loop.step_loop import StepLoop
 from qvld.engine.model.backend import SlotPool
 from qvld.engine.model.interface import Slot
 from qvld.engine.types import GenerateResult
-from qvld.engine.workers import Work
 
 # The prompt as fed, the outcome, and when vision and generation started.
 Ran = tuple[Prompt, Outcome, float, float]
@@ -48,7 +47,7 @@ class Generation:
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
     started: float | None = None  # admitted to the step loop
-    work: Work | None = None
+    arrival: Arrival | None = None
     seq: Sequence | None = None
     slot_wait_s: float = 0.0
     t_start: float = 0.0

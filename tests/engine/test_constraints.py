@@ -552,20 +552,22 @@ def test_a_grammar_slow_to_follow_chooses_beside_the_steps_not_in_them(engine: E
     """#46: the matcher work of an ambiguous grammar ran in the shared step: another
     user's 64 tokens took 48.6 s. A sequence whose choice took long now chooses on the
     step loop's matcher lane, out of the steps until it is back: here the lane is held
-    once it is there, and another user's 64 tokens are answered meanwhile; let go, the
+    before it gets there, and another user's 64 tokens are answered meanwhile; let go, the
     costly answer goes on and ends as its budget says."""
     loop = engine.batch
     assert loop is not None
     variant = parse_response_format({"type": "grammar", "grammar": AMBIGUOUS.replace(
         "/[a-z]/", '/[a-z]/ | "aside"')})  # not the format refused by the test above
+    # The lane is held first: the first choice sent there waits, its sequence outside
+    # the steps, however fast or loaded the machine (it must not end before we look).
+    held = threading.Event()
+    loop.matchers.submit(held.wait)
     gen = engine.submit(engine.prepare(GenerateRequest(
         messages=[{"role": "user", "content": "Hi"}], max_tokens=400, temperature=1.0,
         seed=1, response_format=variant), uid=1001))
-    wait_for(lambda: any(s.slow_choice for s in loop.view[0]), 120,
-             "the costly answer's choices moved beside the steps")
-    held = threading.Event()
-    loop.matchers.submit(held.wait)  # the lane holds after the choice now running
     try:
+        wait_for(lambda: any(s.slow_choice and s.outside for s in loop.view[0]), 120,
+                 "the costly answer's choices moved beside the steps")
         other = engine.generate(GenerateRequest(
             messages=[{"role": "user", "content": "Hello"}], max_tokens=64,
             ignore_eos=True, temperature=0.0), uid=1002)

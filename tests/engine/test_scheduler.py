@@ -233,7 +233,9 @@ def test_generations_that_outgrow_the_pool_are_preempted_and_no_token_changes(
     sampled = ask(500, "image_gray", temperature=1.0, seed=11)
     rows = engine.blocks.num_blocks * engine.blocks.block_size
     assert rows < 2 * 500 < rows + 2 * 500  # both fit alone, not together
-    gens = [submit(engine, greedy, ALICE), submit(engine, sampled, BOB)]
+    with StepGate(engine) as gate:  # side by side however loaded the machine
+        gens = gate.start_together([lambda: submit(engine, greedy, ALICE),
+                                    lambda: submit(engine, sampled, BOB)])
     results = [g.future.result(120) for g in gens]
     assert engine.batch.preemptions >= 1
     assert sum(g.seq.preemptions for g in gens if g.seq is not None) >= 1

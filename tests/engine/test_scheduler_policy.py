@@ -13,7 +13,7 @@ import pytest
 from qvld.engine.decoding.generation import Prompt
 from qvld.engine.loop.blocks import BlockPool
 from qvld.engine.loop.scheduler import MIN_SHARED_ROWS, Plan, StepCost, StepScheduler
-from qvld.engine.loop.sequence import Sequence
+from qvld.engine.loop.sequence import Arrival, Sequence
 
 BLOCK = 4
 ALICE, BOB, CAROL = 1, 2, 3
@@ -410,3 +410,67 @@ def test_a_sequence_running_on_another_thread_is_stopped_once_it_is_back() -> No
     seq.outside = False  # back (the loop's ``joined`` or ``_chosen``)
     plan, _ = step(s)
     assert plan.stopped == [seq] and seq.lease.blocks == []
+
+
+# -- encoding: the slots are the scheduler's to give -------------------------------------
+
+def arrival(uid: int, stopped: list[bool] | None = None) -> Arrival:
+    flag = stopped if stopped is not None else [False]
+    return Arrival(uid=uid, should_stop=lambda: flag[0], encode=lambda: None,
+                   drop=lambda: None)
+
+
+def test_a_free_slot_goes_to_the_user_holding_the_fewest_generations() -> None:
+    # Alice's burst of five pictures arrived first; bob's one after. Two slots: alice
+    # takes both while nobody else has one, then bob's goes next, ahead of her three.
+    scheduler = StepScheduler(BlockPool(64, BLOCK), max_sequences=8, max_batch_tokens=64,
+                              chunk=16, encode_slots=2)
+    alices = [arrival(ALICE) for _ in range(5)]
+    for a in alices:
+        scheduler.arrive(a)
+    started, _ = scheduler.encodes()
+    assert started == alices[:2]
+    bob = arrival(BOB)
+    scheduler.arrive(bob)
+    assert scheduler.encodes() == ([], [])  # no slot is free
+    scheduler.encoded(alices[0])
+    assert scheduler.encodes()[0] == [bob]
+    assert scheduler.arrivals() == (3, 2)
+    scheduler.encoded(alices[1])
+    scheduler.encoded(bob)
+    assert scheduler.encodes()[0] == alices[2:4]  # only alice left: in arrival order
+
+
+def test_running_and_waiting_sequences_count_toward_a_users_holding() -> None:
+    # Carol already runs a generation; alice and bob hold none: theirs are encoded
+    # first, though carol's arrived before them.
+    pool = BlockPool(64, BLOCK)
+    scheduler = StepScheduler(pool, max_sequences=8, max_batch_tokens=64, chunk=16,
+                              encode_slots=1)
+    scheduler.add(make_seq(pool, CAROL, 8))
+    step(scheduler)
+    order = [arrival(CAROL), arrival(ALICE), arrival(BOB)]
+    for a in order:
+        scheduler.arrive(a)
+    started = []
+    for _ in order:
+        (one,), _ = scheduler.encodes()
+        started.append(one.uid)
+        scheduler.encoded(one)
+    assert started == [ALICE, BOB, CAROL]
+
+
+def test_an_arrival_that_stopped_is_dropped_not_encoded() -> None:
+    scheduler = StepScheduler(BlockPool(64, BLOCK), max_sequences=8, max_batch_tokens=64,
+                              chunk=16, encode_slots=1)
+    gone = [False]
+    left, stays = arrival(ALICE, gone), arrival(BOB)
+    scheduler.arrive(left)
+    scheduler.arrive(stays)
+    gone[0] = True  # alice's client left while she waited for a slot
+    started, stopped = scheduler.encodes()
+    assert (started, stopped) == ([stays], [left])
+    assert not scheduler.remove_arrival(stays)  # started: no longer waiting
+    later = arrival(CAROL)
+    scheduler.arrive(later)
+    assert scheduler.remove_arrival(later) and scheduler.idle

@@ -5,7 +5,7 @@ reference cases in test_onnxruntime and test_reuse."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -13,7 +13,8 @@ import pytest
 
 from qvld.engine import Engine, GenerateRequest
 from qvld.engine.model.slot_paged import BLOCK_ROWS, SlotPaged
-from tests.conftest import TINY, load_reference, parity_config, with_image_bytes
+from qvld.engine.runners import Generation
+from tests.conftest import TINY, StepGate, load_reference, parity_config, with_image_bytes
 
 CASES = {c["name"]: c for c in load_reference(TINY)["cases"]}
 RUNTIMES = {"onnxruntime": ("onnxruntime", {}),
@@ -41,10 +42,18 @@ def test_more_running_sequences_than_slots_load_from_their_blocks_and_stay_exact
     model = engine.batch.model
     assert isinstance(model, SlotPaged) and engine.stats()["batch"]["continuous_batching"] is False
     names = ["long", "image_photo", "question"]
-    with ThreadPoolExecutor(len(names)) as pool:
-        answers = list(pool.map(lambda name: ask(engine, name), names))
+
+    def start(name: str) -> Callable[[], Generation]:
+        case = CASES[name]
+        return lambda: engine.submit(engine.prepare(GenerateRequest(
+            messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
+            max_tokens=case["max_new_tokens"])))
+
+    with StepGate(engine) as gate:  # side by side however loaded the machine
+        gens = gate.start_together([start(name) for name in names], tokens=2)
+    answers = [gen.future.result(60).token_ids for gen in gens]
     assert answers == [CASES[name]["token_ids"] for name in names]
-    assert model.reloads > 0 and engine.batch.peak_sequences >= 2
+    assert model.reloads > 0 and engine.batch.peak_sequences == 3
     assert engine.blocks.stats()["held"] == 0
 
 

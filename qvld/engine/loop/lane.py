@@ -1,7 +1,8 @@
-"""A lane: work run in order on a thread of its own, beside the step loop.
+"""A lane: work run in order on threads of its own (one, or ``threads``), beside the
+step loop.
 
-The thread starts with the first piece of work and ends when none is left, so an engine
-replaced by a reload leaves no thread behind. Work reports its own results (it posts
+Threads start with work and end when none is left, so an engine replaced by a reload
+leaves no thread behind. Work reports its own results (it posts
 them to the step loop's inbox); an exception that escapes it is logged, and the lane
 goes on with the next.
 """
@@ -19,23 +20,26 @@ log = logging.getLogger("qvld.engine")
 
 
 class Lane:
-    def __init__(self, name: str, nice: int = 0) -> None:
-        """``nice``: the thread's scheduling niceness beside the process's (higher:
-        it gets the cores when the step loop's threads leave them)."""
-        self.name = name  # the thread's
+    def __init__(self, name: str, nice: int = 0, threads: int = 1) -> None:
+        """``nice``: the threads' scheduling niceness beside the process's (higher:
+        they get the cores when the step loop's threads leave them); ``threads``: how
+        many pieces of work run at once (whoever submits bounds what is queued)."""
+        self.name = name  # the threads'
         self.nice = nice
+        self.threads = threads
         self._lock = threading.Lock()
         self._queue: collections.deque[Callable[[], None]] = collections.deque()
-        self._thread: threading.Thread | None = None
+        self._running = 0  # threads
 
     def submit(self, work: Callable[[], None]) -> None:
-        """Run ``work`` after what was submitted before it."""
+        """Run ``work`` after what was submitted before it (with ``threads`` > 1,
+        beside the work before it)."""
         with self._lock:
             self._queue.append(work)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name,
-                                                daemon=True)
-                self._thread.start()
+            if self._running < self.threads:
+                self._running += 1
+                name = self.name if self.threads == 1 else f"{self.name}-{self._running}"
+                threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def _run(self) -> None:
         if self.nice:
@@ -45,7 +49,7 @@ class Lane:
         while True:
             with self._lock:
                 if not self._queue:
-                    self._thread = None
+                    self._running -= 1
                     return
                 work = self._queue.popleft()
             try:

@@ -6,11 +6,12 @@ starts no thread, reads no model and takes its clock as an argument; its unit te
 (``tests/engine/test_scheduler_policy.py``) drive it with fake sequences, fake step
 outputs and a fake clock.
 
-It owns the waiting sequences (per user), the running set (at most
-``engine.max_sequences``), the KV blocks they get (the block pool's only writer while
-the daemon runs) and the rows each step feeds (at most ``engine.max_batch_tokens``).
-Nothing waits on a thread for a place or a block: a sequence that does not fit stays
-waiting and is tried again at the next step.
+It owns every waiting state of a generation: arrived (its images to encode), encoding
+(on one of ``encode_slots`` slot workers: the encoder budget), waiting for a place
+(per user), and running (at most ``engine.max_sequences``); the KV blocks they get (the
+block pool's only writer while the daemon runs) and the rows each step feeds (at most
+``engine.max_batch_tokens``). Nothing waits on a thread for a place, a slot or a block:
+what does not fit stays queued and is tried again at the next turn.
 
 **KV blocks are taken as sequences grow**, not reserved for the worst case: admission
 takes the blocks of the rows to feed (the prompt, or after a preemption the rows to
@@ -20,8 +21,12 @@ prompt and ``max_tokens`` could never fit the whole cache is refused up front (t
 loop's ``submit``, naming ``engine.kv_cache_mb``).
 
 Policy between users (uids; with API keys, one per key), one rule everywhere: **the
-user holding the most running sequences gives way first.**
+user holding the most gives way first.**
 
+- **Encoding**: when a slot is free, the arrived generation of the user holding the
+  fewest generations in the loop (encoding, waiting or running) is started (ties: the
+  one whose encode started longest ago), each user's in arrival order. One user's burst
+  of large pictures takes the free slots only while nobody else has one to encode.
 - **Admission** takes the waiting user holding the fewest running sequences first
   (ties: the one that got a place longest ago, so equals take turns), and each user's
   sequences in arrival order (a preempted one first again). Admission stops at the
@@ -64,7 +69,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from qvld.engine.loop.blocks import BlockPool
-from qvld.engine.loop.sequence import Sequence
+from qvld.engine.loop.sequence import Arrival, Sequence
 
 # At least this many rows of other users' prompts go in a step beside decoding
 # sequences, however costly a row is (a prompt is never starved).
@@ -114,8 +119,14 @@ class Plan:
 
 class StepScheduler:
     def __init__(self, pool: BlockPool, *, max_sequences: int, max_batch_tokens: int,
-                 chunk: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 chunk: int, encode_slots: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
+        self.encode_slots = encode_slots  # encodes at once (the slot workers)
+        self._arrived: dict[int, collections.deque[Arrival]] = {}  # per uid, in order
+        self._encoding: list[Arrival] = []
+        self._encodes = 0
+        self._last_encoded: dict[int, int] = {}  # uid -> when its last encode started
         self.max_sequences = max_sequences
         self.max_batch_tokens = max_batch_tokens
         self.chunk = chunk
@@ -129,6 +140,59 @@ class StepScheduler:
         self.cost = StepCost()  # told by the loop after each step (``observe``)
         self._plans = 0
         self._rows_given: dict[int, int] = {}  # uid -> the last plan giving it such rows
+
+    # -- arrivals: images to encode --------------------------------------------------
+
+    def arrive(self, arrival: Arrival) -> None:
+        self._arrived.setdefault(arrival.uid, collections.deque()).append(arrival)
+
+    def remove_arrival(self, arrival: Arrival) -> bool:
+        """Take ``arrival`` out before its encode started; False if it had."""
+        queue = self._arrived.get(arrival.uid)
+        if queue is None or arrival not in queue:
+            return False
+        queue.remove(arrival)
+        if not queue:
+            del self._arrived[arrival.uid]
+        return True
+
+    def encoded(self, arrival: Arrival) -> None:
+        """``arrival``'s encode is over (its sequence, if any, is ``add``ed)."""
+        if arrival in self._encoding:
+            self._encoding.remove(arrival)
+
+    def encodes(self) -> tuple[list[Arrival], list[Arrival]]:
+        """(arrivals to encode now, arrivals that stopped before): the free slots go to
+        the users holding the fewest generations in the loop."""
+        stopped = [a for queue in self._arrived.values() for a in queue if a.should_stop()]
+        for arrival in stopped:
+            self.remove_arrival(arrival)
+        started: list[Arrival] = []
+        while self._arrived and len(self._encoding) < self.encode_slots:
+            held = collections.Counter(
+                [s.uid for s in (*self._running, *self._iter_waiting())]
+                + [a.uid for a in self._encoding])
+            uid = min(self._arrived,
+                      key=lambda u: (held[u], self._last_encoded.get(u, -1)))
+            arrival = self._arrived[uid][0]
+            self.remove_arrival(arrival)
+            self._encodes += 1
+            self._last_encoded[uid] = self._encodes
+            self._encoding.append(arrival)
+            started.append(arrival)
+        return started, stopped
+
+    def take_arrivals(self) -> list[Arrival]:
+        """Every arrival not yet encoding, out (the engine is closing)."""
+        arrivals = [a for queue in self._arrived.values() for a in queue]
+        self._arrived.clear()
+        return arrivals
+
+    def arrivals(self) -> tuple[int, int]:
+        """(arrived, encoding)."""
+        return sum(len(q) for q in self._arrived.values()), len(self._encoding)
+
+    # -- sequences ----------------------------------------------------------------------
 
     def fits(self, seq: Sequence) -> bool:
         """Whether ``seq`` could ever run: its prompt and max_tokens within the whole
@@ -176,7 +240,8 @@ class StepScheduler:
 
     @property
     def idle(self) -> bool:
-        return not self._running and not self._waiting
+        """Nothing to step or to start (encodes under way post back when done)."""
+        return not self._running and not self._waiting and not self._arrived
 
     def take_all(self) -> list[Sequence]:
         """Every sequence out of the scheduler, its blocks back (a runtime failure ends

@@ -1,6 +1,7 @@
 """One generation as the step loop sees it: data, owned by no thread.
 
-A ``Sequence`` is made once its prompt is embedded (images encoded, prompt rows looked
+An ``Arrival`` is a generation waiting for a slot to encode its images. A ``Sequence``
+is made once its prompt is embedded (images encoded, prompt rows looked
 up), holding the KV blocks of its cached prefix (``Lease``). The scheduler
 (``scheduler.StepScheduler``) admits it, gives it blocks, plans its rows each step and
 may preempt it; the step loop (``batch.StepLoop``) feeds its rows and samples its
@@ -26,6 +27,21 @@ import numpy as np
 
 from qvld.engine.decoding.generation import Decoding, Outcome, Prompt
 from qvld.engine.loop.blocks import Lease, RowKey
+
+
+@dataclass(eq=False)  # an identity: compared by who it is
+class Arrival:
+    """A generation before it is a ``Sequence``: its images still to encode and its
+    prompt rows to embed. The scheduler queues it with everything else and starts its
+    ``encode`` (on a slot worker, beside the steps) when a slot is free and its user's
+    turn has come; ``encode`` hands the ``Sequence`` it builds to the loop (or settles
+    the generation), and ``drop`` ends one stopped before it was started."""
+
+    uid: int
+    should_stop: Callable[[], bool]
+    encode: Callable[[], None]
+    drop: Callable[[], None]
+    arrived: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)  # an identity: kept in lists and queues, compared by who it is

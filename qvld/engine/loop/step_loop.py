@@ -12,17 +12,21 @@ disconnects end a sequence at the next step and give its blocks back; an error i
 sequence's sampling ends that one only. Imports no runtime: the model is a
 ``model.interface.PagedModel``.
 
-Sequences are data (``sequence.Sequence``): a caller hands one over with ``submit`` and
-is told the end through its ``on_done``, always called on the step thread; no thread
-waits per sequence. Images are encoded and prompt rows embedded before (``Engine``, on a
-slot worker); a prompt prefilled by another runtime (``model.prompt_backend``) is handed
-to ``prompt_prefill.PromptPrefills`` once admitted (the sequence is then ``outside``:
-the loop does not touch it) and comes back through ``joined``.
+Generations are data. One arrives (``arrive``: a ``sequence.Arrival``) before its
+images are encoded: the scheduler starts its encode on one of the ``encoders`` slot
+worker threads (``qvld-slot-N``) when a slot is free and its user's turn has come;
+the encode embeds the prompt rows and hands the ``sequence.Sequence`` over with
+``submit``, whose end is told through its ``on_done``, always called on the step
+thread; no thread waits per sequence. A prompt prefilled by another runtime
+(``model.prompt_backend``) is handed to ``prompt_prefill.PromptPrefills`` once admitted
+(the sequence is then ``outside``: the loop does not touch it) and comes back through
+``joined``.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import logging
@@ -37,9 +41,9 @@ from qvld.engine.loop.blocks import BlockPool
 from qvld.engine.loop.lane import Lane
 from qvld.engine.loop.prompt_prefill import PromptPrefills
 from qvld.engine.loop.scheduler import StepScheduler
-from qvld.engine.loop.sequence import Sequence
+from qvld.engine.loop.sequence import Arrival, Sequence
 from qvld.engine.model.interface import PagedModel, RowsSlot
-from qvld.errors import BadRequest, InternalError
+from qvld.errors import BadRequest, InternalError, Unavailable
 
 log = logging.getLogger("qvld.engine")
 
@@ -69,12 +73,17 @@ class StepLoop:
                  on_step: Callable[[int, int], None] | None = None,
                  on_prefill: Callable[[str, int], None] | None = None,
                  runtime: str = "openvino", prompt_slot: RowsSlot | None = None,
-                 prompt_runtime: str = "onnxruntime") -> None:
+                 prompt_runtime: str = "onnxruntime", encoders: int = 1) -> None:
         self.model = model
         self.runtime = runtime  # the paged model's, for status and metrics
         self.pool = pool
         self.scheduler = StepScheduler(pool, max_sequences=max_sequences,
-                                       max_batch_tokens=max_batch_tokens, chunk=chunk)
+                                       max_batch_tokens=max_batch_tokens, chunk=chunk,
+                                       encode_slots=encoders)
+        # Images encoded and prompts embedded, as many at once as there are slots: the
+        # scheduler decides whose, and when.
+        self.encoders = Lane("qvld-slot", threads=encoders)
+        self._closed = False
         self.chunk = chunk  # rows of one prompt per step at most
         self.on_step = on_step  # (sequences, prefill rows) after every step
         # (runtime, prompt rows) whenever a runtime computed prompt rows: the step's, or
@@ -98,6 +107,7 @@ class StepLoop:
         self.steps = 0
         # (running, waiting) as the loop last published them: read by other threads.
         self.view: tuple[tuple[Sequence, ...], tuple[Sequence, ...]] = ((), ())
+        self.arrivals_view: tuple[int, int] = (0, 0)
         # Started by the first sequence, gone when none is left: an engine replaced by a
         # reload leaves no thread (and no model) behind.
         self._thread: threading.Thread | None = None
@@ -119,6 +129,33 @@ class StepLoop:
         return self.scheduler.preemptions
 
     # -- from any thread: the inbox -----------------------------------------------------
+
+    def arrive(self, arrival: Arrival) -> None:
+        """Queue a generation whose images are still to encode (Unavailable once
+        ``close`` was called)."""
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the daemon is shutting down")
+        self._post(lambda: self.scheduler.arrive(arrival))
+
+    def cancel_arrival(self, arrival: Arrival) -> None:
+        """End ``arrival`` if its encode has not started (it then ``drop``s); one
+        encoding sees its ``should_stop``."""
+        def drop() -> None:
+            if self.scheduler.remove_arrival(arrival):
+                arrival.drop()
+
+        self._post(drop)
+
+    def close(self) -> None:
+        """Take no more arrivals; those not yet encoding are dropped."""
+        with self._cond:
+            self._closed = True
+        def drop_all() -> None:
+            for arrival in self.scheduler.take_arrivals():
+                arrival.drop()
+
+        self._post(drop_all)
 
     def submit(self, seq: Sequence) -> None:
         """Hand ``seq`` over; its ``on_done`` tells the end. BadRequest when it could
@@ -195,6 +232,10 @@ class StepLoop:
         """(running, waiting) sequences, as last published."""
         running, waiting = self.view
         return len(running), len(waiting)
+
+    def arrivals(self) -> tuple[int, int]:
+        """(waiting for a slot, encoding) generations, as last published."""
+        return self.arrivals_view
 
     # -- the step thread: the inbox's messages --------------------------------------------
 
@@ -285,6 +326,7 @@ class StepLoop:
                 except Exception:  # a message reports its own errors; a bug's last stop
                     log.exception("step loop message failed")
             stalled = stalled and not messages
+            self._start_encodes()
             if not held:
                 try:
                     stalled = not self._step()
@@ -294,12 +336,28 @@ class StepLoop:
                         self._end(seq, exc)
             self._publish()
 
+    def _start_encodes(self) -> None:
+        """The encodes the scheduler starts now, on the slot workers (also while steps
+        are held: an encode is not a step); each posts ``encoded`` back when done."""
+        started, stopped = self.scheduler.encodes()
+        for arrival in stopped:
+            arrival.drop()
+        for arrival in started:
+            self.encoders.submit(functools.partial(self._encode, arrival))
+
+    def _encode(self, arrival: Arrival) -> None:
+        try:
+            arrival.encode()
+        finally:
+            self._post(lambda: self.scheduler.encoded(arrival))
+
     def _due(self) -> bool:
         return bool(self._timers) and self._timers[0][0] <= time.monotonic()
 
     def _publish(self) -> None:
         running, waiting = self.scheduler.snapshot()
         self.view = (tuple(running), tuple(waiting))
+        self.arrivals_view = self.scheduler.arrivals()
 
     def _step(self) -> bool:
         t_plan = time.perf_counter()
