@@ -67,9 +67,12 @@ import collections
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from qvld.engine.loop.blocks import BlockPool
 from qvld.engine.loop.sequence import Arrival, Sequence
+
+T = TypeVar("T")
 
 # At least this many rows of other users' prompts go in a step beside decoding
 # sequences, however costly a row is (a prompt is never starved).
@@ -148,13 +151,7 @@ class StepScheduler:
 
     def remove_arrival(self, arrival: Arrival) -> bool:
         """Take ``arrival`` out before its encode started; False if it had."""
-        queue = self._arrived.get(arrival.uid)
-        if queue is None or arrival not in queue:
-            return False
-        queue.remove(arrival)
-        if not queue:
-            del self._arrived[arrival.uid]
-        return True
+        return _unqueue(self._arrived, arrival.uid, arrival)
 
     def encoded(self, arrival: Arrival) -> None:
         """``arrival``'s encode is over (its sequence, if any, is ``add``ed)."""
@@ -371,10 +368,15 @@ class StepScheduler:
         return (seq for queue in self._waiting.values() for seq in queue)
 
     def _unqueue(self, seq: Sequence) -> bool:
-        queue = self._waiting.get(seq.uid)
-        if queue is None or seq not in queue:
-            return False
-        queue.remove(seq)
-        if not queue:
-            del self._waiting[seq.uid]
-        return True
+        return _unqueue(self._waiting, seq.uid, seq)
+
+
+def _unqueue(queues: dict[int, collections.deque[T]], uid: int, item: T) -> bool:
+    """``item`` out of ``uid``'s queue (the queue gone once empty); False if not there."""
+    queue = queues.get(uid)
+    if queue is None or item not in queue:
+        return False
+    queue.remove(item)
+    if not queue:
+        del queues[uid]
+    return True
