@@ -2,9 +2,9 @@
 # What a service's virtualenv does not need, removed after it is installed from
 # requirements.lock; shared by the installer and the Debian package.
 #   packaging/prune-venv.sh VENV
-# - the model-download stack tokenizers declares but never imports at run time
-#   (huggingface-hub and what it pulls in: qvld never downloads; `qvlctl model convert`
-#   needs the convert extra anyway);
+# - hf-xet (the hub's chunked transfer for xet-backed repositories: `qvlctl model pull`
+#   downloads over plain HTTP through huggingface-hub without it); huggingface-hub and
+#   the rest of its stack stay for `model pull`;
 # - console scripts other than qvld, qvlctl and python (benchmark_app, ovc, hf, tqdm, ...)
 #   and the activate scripts: nobody runs them from a service's venv;
 # - OpenVINO's GPU and NPU plugins and its GPU kernel cache, its model frontends other
@@ -22,8 +22,7 @@
 set -euo pipefail
 venv=$1
 site=$(echo "$venv"/lib/python3*/site-packages)
-"$venv/bin/python" -m pip uninstall --quiet --yes huggingface-hub hf-xet httpx httpcore h11 \
-  anyio click fsspec filelock tqdm 2>/dev/null
+"$venv/bin/python" -m pip uninstall --quiet --yes hf-xet 2>/dev/null
 find "$venv/bin" -mindepth 1 -maxdepth 1 \
   ! -name qvld ! -name qvlctl ! -name 'python*' -exec rm -f {} +
 ov=$site/openvino

@@ -363,6 +363,8 @@ def cmd_resume(client: Client, args: argparse.Namespace) -> int:
 def cmd_model(args: argparse.Namespace) -> int:
     """The model commands work on directories: no daemon involved. This is only their
     front: the tooling is qvld's (``qvld.modeltools``), imported when one of them runs."""
+    if args.model_command in ("pull", "list"):
+        return cmd_model_hub(args)
     from qvld.modeltools import convert as model
 
     if args.model_command == "convert":
@@ -388,6 +390,25 @@ def cmd_model(args: argparse.Namespace) -> int:
         print(f"{report['exact']}/{report['cases']} cases exact, token agreement "
               f"{report['token_agreement']:.1%}")
     return EXIT_OK if report["exact"] == report["cases"] else EXIT_INTERNAL
+
+
+def cmd_model_hub(args: argparse.Namespace) -> int:
+    """`model pull` and `model list` (no engine until a pulled model is checked)."""
+    from qvld.modeltools import pull
+
+    if args.model_command == "list":
+        root = args.dir or pull.models_dir()
+        rows = pull.listing(root)
+        print(json.dumps(rows, indent=2) if args.json else pull.render_listing(rows, root))
+        return EXIT_OK
+    name = args.name if args.revision is None else f"{args.name}@{args.revision}"
+    try:
+        path = pull.pull(name, args.dir, check=not args.no_check)
+    except pull.PullError as exc:
+        warn(str(exc))
+        return EXIT_REFUSED
+    print(path)
+    return EXIT_OK
 
 
 # qvld.config.INSTANCE_NAME (not imported: qvlctl stays clear of pydantic and yaml's
@@ -486,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="images for the first message")
     chat.set_defaults(func=cmd_chat)
 
-    model = sub.add_parser("model", help="convert, inspect and verify model directories")
+    model = sub.add_parser("model", help="pull, convert, list, inspect and verify models")
     msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION",
                                 help="what to do with a model directory")
     conv = msub.add_parser("convert", help="checkpoint (directory or hub id) -> OpenVINO "
@@ -514,6 +535,19 @@ def build_parser() -> argparse.ArgumentParser:
     onnx.add_argument("--weights", choices=["fp32", "int8"], default="int8",
                       help="int8 (default): onnxruntime's dynamic quantisation of every "
                            "MatMul weight, per output channel")
+    mpull = msub.add_parser("pull", help="download an OpenVINO export from the Hugging "
+                                         "Face hub, checked, then loaded once")
+    mpull.add_argument("name", help="qwen3-vl-2b (-int8, -int4), or a hub repository "
+                                    "ORG/NAME[@REVISION] (HF_ENDPOINT, HF_TOKEN honoured)")
+    mpull.add_argument("dir", type=Path, nargs="?",
+                       help="where to put it (default: the models directory, "
+                            "$QVLD_MODELS or /var/lib/qvld/models)")
+    mpull.add_argument("--revision", help="a branch, tag or commit (default: main)")
+    mpull.add_argument("--no-check", dest="no_check", action="store_true",
+                       help="do not load the model to answer one question afterwards")
+    mlist = msub.add_parser("list", help="the models pulled: where, how big, from where")
+    mlist.add_argument("--dir", type=Path, help="the models directory to list")
+    mlist.add_argument("--json", action="store_true", help=JSON_HELP)
     minfo = msub.add_parser("info", help="what a model directory holds")
     minfo.add_argument("dir", type=Path, help="a model directory")
     minfo.add_argument("--json", action="store_true", help=JSON_HELP)
