@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path,
                         help="YAML config (default: $QVLD_CONFIG, else /etc/qvld/qvld.yaml "
                              "if it exists, else built-in defaults)")
-    parser.add_argument("--model", type=Path, help="model directory (= --set model.path=DIR)")
+    parser.add_argument("--model", type=Path,
+                        help="model directory (= --set model.path=DIR), or the name of "
+                             "one `qvlctl model pull` fetched (qwen3-vl-2b, ORG/NAME)")
     parser.add_argument("--socket", type=Path, help="socket path (= --set server.socket=P)")
     parser.add_argument("--instance", metavar="NAME",
                         help="run as instance NAME of the template units (qvld@NAME): "
@@ -79,11 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def model_path(model: Path) -> Path:
+    """--model: a directory, or the name of a model `qvlctl model pull` put under the
+    models directory (qwen3-vl-2b, ORG/NAME, or the directory's own name)."""
+    if model.exists():
+        return model
+    from qvld.modeltools.pull import pulled
+
+    return pulled(str(model)) or model
+
+
 def config_source(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
     """The config file and the overrides, as a reload re-reads them."""
     overrides = list(args.overrides)
     if args.model is not None:
-        overrides.append(f"model.path={args.model}")
+        overrides.append(f"model.path={model_path(args.model)}")
     if args.socket is not None:
         overrides.append(f"server.socket={args.socket}")
     path = args.config if args.config is not None else default_config_path()

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from qvld import cli as qvld_cli
 from tests.conftest import TINY, Daemon, run_qvlctl
 
 REPO = "org/tiny-ov"
@@ -141,7 +142,7 @@ def qvlctl(hub: LocalHub, tmp_path: Path, *args: str) -> subprocess.CompletedPro
 
 
 def test_a_pulled_model_is_checked_put_in_place_listed_and_served(
-        hubs: list[LocalHub], tmp_path: Path) -> None:
+        hubs: list[LocalHub], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A large file is cut off once after its first chunk: the download resumes with a
     # range request; every file is then checked against what the hub says of it.
     from huggingface_hub import constants
@@ -167,6 +168,11 @@ def test_a_pulled_model_is_checked_put_in_place_listed_and_served(
     assert listed[0]["bytes"] > sum(len(d) for d in FILES.values()) // 2
     again = qvlctl(hub, tmp_path, "pull", REPO)
     assert again.returncode == 0 and "already pulled" in again.stderr
+    # `qvld --model org/tiny-ov` finds it by name under the models directory.
+    monkeypatch.setenv("QVLD_MODELS", str(tmp_path / "models"))
+    _, overrides = qvld_cli.config_source(qvld_cli.build_parser().parse_args(
+        ["--model", REPO]))
+    assert f"model.path={dst}" in overrides
     (tmp_path / "daemon").mkdir()
     daemon = Daemon(tmp_path / "daemon", model=dst).start()
     try:

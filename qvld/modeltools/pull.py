@@ -198,6 +198,20 @@ def pull(name: str, dst: Path | None = None, check: bool = True,
     return dst
 
 
+def pulled(name: str) -> Path | None:
+    """The directory under the models directory that ``name`` (a known name, ORG/NAME,
+    or the directory's own name) was pulled into, or None."""
+    root = models_dir()
+    names = [name.replace("/", "--")]
+    if name in KNOWN:
+        names.insert(0, KNOWN[name][0].replace("/", "--"))
+    for candidate in names:
+        path = root / candidate
+        if (path / RECORD).is_file() or (path / "openvino_language_model.xml").is_file():
+            return path
+    return None
+
+
 def listing(root: Path | None = None) -> list[dict[str, Any]]:
     """The models under ``root`` (default: the models directory): name, where, size, and
     where each was pulled from."""
