@@ -105,7 +105,7 @@ def config_source(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
 
 
 def check_config(config: Config) -> int:
-    from qvld.engine.model.model_dir import load_model_spec
+    from qvld.engine.model.model_dir import load_model_spec, processor_settings
     from qvld.errors import ModelInvalid
     from qvld.http.server import HttpSetupError, load_http
 
@@ -124,6 +124,9 @@ def check_config(config: Config) -> int:
         print(f"qvld: model: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     print(f"configuration is valid; model {spec.name} at {spec.path}")
+    print("pictures and clips are processed with:")
+    for key, value, source in processor_settings(spec.path):
+        print(f"  {key:<28} {value!s:<20} from {source}")
     return EXIT_OK
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -122,6 +123,31 @@ def test_check_config_validates_the_model_dir(tmp_path: Path, tiny_dir: Path) ->
     unset = qvld("check-config", "--config", str(empty))
     assert unset.returncode == 78
     assert qvld("--bogus").returncode == 2
+
+
+def test_check_config_says_what_pictures_and_clips_are_processed_with_and_from_where(
+        tmp_path: Path, tiny_dir: Path) -> None:
+    # #48: a directory without the video processor's config was served with
+    # transformers' defaults, silently.
+    empty = tmp_path / "c.yaml"
+    empty.write_text("")
+    plain = qvld("check-config", "--config", str(empty), "--model", str(tiny_dir))
+    assert plain.returncode == 0
+    rows = {line.split()[0]: line for line in plain.stdout.splitlines()[2:]}
+    assert "preprocessor_config.json" in rows["image.max_pixels"]
+    assert "config.json" in rows["vision.spatial_merge_size"]
+    assert "transformers' default (no video_preprocessor_config.json)" in rows["video.fps"]
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model, ignore=shutil.ignore_patterns("onnx_*", "reference*"))
+    (model / "video_preprocessor_config.json").write_text(json.dumps(
+        {"fps": 1.5, "max_frames": 24, "size": {"shortest_edge": 4096,
+                                                 "longest_edge": 65536}}))
+    own = qvld("check-config", "--config", str(empty), "--model", str(model))
+    rows = {line.split()[0]: line for line in own.stdout.splitlines()[2:]}
+    assert rows["video.fps"].split()[1] == "1.5" and "from video_preprocessor_config.json" \
+        in rows["video.fps"]
+    assert rows["video.max_pixels"].split()[1] == "65536"
+    assert "not in video_preprocessor_config.json" in rows["video.min_frames"]
 
 
 def test_systemd_cache_directory_is_the_default_cache_dir(tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ from qvld.engine.loop.sequence import Arrival
 from qvld.engine.loop.step_loop import StepLoop
 from qvld.engine.model.backend import SlotPool, load_models, release_file_pages
 from qvld.engine.model.interface import RowsSlot
-from qvld.engine.model.model_dir import ModelSpec, load_model_spec
+from qvld.engine.model.model_dir import VIDEO_CONFIG, ModelSpec, load_model_spec
 from qvld.engine.model.tokenizer import ChatTemplate, TextTokenizer
 from qvld.engine.runners import Generation, LoopRunner, Ran, RunJob
 from qvld.engine.types import (
@@ -137,6 +137,13 @@ class Engine:
         self.spec: ModelSpec = load_model_spec(config.model.path, config.model.backend)
         self.tokenizer = TextTokenizer(config.model.path / "tokenizer.json")
         self.template = ChatTemplate(self.spec.chat_template, self.spec.special_tokens)
+        if not (config.model.path / VIDEO_CONFIG).is_file():
+            log.warning("%s has no %s: clips are sampled with transformers' defaults (fps "
+                        "%g, %d-%d frames, %d-%d pixels in all), not the model's own; "
+                        "copy the checkpoint's file beside the graphs", config.model.path,
+                        VIDEO_CONFIG, self.spec.video.fps, self.spec.video.min_frames,
+                        self.spec.video.max_frames, self.spec.video.min_pixels,
+                        self.spec.video.max_pixels)
         self.models = load_models(self.spec, config.model, config.engine)
         self.max_context = min(config.engine.max_context_tokens,
                                self.spec.max_position_embeddings)

@@ -26,6 +26,7 @@ from qvld.engine.model.model_dir import (
     load_model_spec,
     onnx_path,
     onnx_weights,
+    processor_settings,
 )
 
 # Files the engine reads besides the IRs, copied from the checkpoint.
@@ -418,6 +419,9 @@ def info(path: Path) -> dict[str, Any]:
                                               "deepstack_visual_indexes")},
         "image_pixels": {"min": spec.vision.min_pixels, "max": spec.vision.max_pixels},
         "chat_template": bool(spec.chat_template),
+        # What pictures and clips are processed with, and where each value came from.
+        "processor": [{"setting": key, "value": value, "from": source}
+                      for key, value, source in processor_settings(path)],
         "size_bytes": sum(p.stat().st_size for p in path.iterdir() if p.is_file()),
         "backend": backend,
     })
@@ -462,6 +466,9 @@ def render_info(document: dict[str, Any]) -> str:
         f"backend:       {document['backend']}",
         f"LM weights:    {document['language_model_layout']}",
     ]
+    lines.append("processor:")
+    lines += [f"  {row['setting']:<28} {row['value']!s:<20} {row['from']}"
+              for row in document["processor"]]
     for sub, formats in document["weights"].items():
         total = sum(formats.values()) or 1
         shares = ", ".join(f"{t} {b / total:.0%}" for t, b in formats.items() if b / total > 0.01)

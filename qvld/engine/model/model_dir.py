@@ -63,8 +63,47 @@ class VideoSpec:
     rescale_factor: float = 1 / 255
 
 
+VIDEO_CONFIG = "video_preprocessor_config.json"
+
+
+def processor_settings(path: Path) -> list[tuple[str, Any, str]]:
+    """What turns a model directory's pictures and clips into patches: (setting, value,
+    where it came from), as ``load_model_spec`` reads them; for ``check-config`` and
+    ``qvlctl model info``. A directory without a video processor config is served with
+    transformers' Qwen3VLVideoProcessor defaults, and says so here."""
+    spec_vision = _read_json(path / "config.json").get("vision_config", {})
+    image = _read_json(path / "preprocessor_config.json")
+    image_size = image.get("size") or {}
+    rows: list[tuple[str, Any, str]] = [
+        (f"vision.{key}", spec_vision.get(key), "config.json")
+        for key in ("patch_size", "temporal_patch_size", "spatial_merge_size")]
+    rows += [
+        ("image.min_pixels", image_size.get("shortest_edge") or image.get("min_pixels"),
+         "preprocessor_config.json"),
+        ("image.max_pixels", image_size.get("longest_edge") or image.get("max_pixels"),
+         "preprocessor_config.json"),
+        ("image.mean", image.get("image_mean"), "preprocessor_config.json"),
+        ("image.std", image.get("image_std"), "preprocessor_config.json")]
+    video_file = path / VIDEO_CONFIG
+    video = _read_json(video_file) if video_file.is_file() else {}
+    video_size = video.get("size") or {}
+    spec = load_video_spec(path)
+    missing = (f"transformers' default (no {VIDEO_CONFIG})" if not video_file.is_file()
+               else f"transformers' default (not in {VIDEO_CONFIG})")
+    for key, found in (("fps", video.get("fps")), ("min_frames", video.get("min_frames")),
+                       ("max_frames", video.get("max_frames")),
+                       ("min_pixels", video_size.get("shortest_edge")),
+                       ("max_pixels", video_size.get("longest_edge")),
+                       ("image_mean", video.get("image_mean")),
+                       ("image_std", video.get("image_std"))):
+        value = getattr(spec, key)
+        rows.append((f"video.{key}", list(value) if isinstance(value, tuple) else value,
+                     VIDEO_CONFIG if found else missing))
+    return rows
+
+
 def load_video_spec(path: Path) -> VideoSpec:
-    file = path / "video_preprocessor_config.json"
+    file = path / VIDEO_CONFIG
     if not file.is_file():
         return VideoSpec()
     pre = _read_json(file)
