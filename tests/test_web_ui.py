@@ -153,6 +153,16 @@ def test_stop_ends_the_answer_in_the_daemon(browser: Any, daemon: HttpDaemon) ->
         daemon.wait_queue(0, 0, timeout=10)  # the generation ended in the daemon too
         expect(page.get_by_role("button", name="Send")).to_be_enabled()
         assert "cancelled" in daemon.log()
+        # #49: Escape stopped an answer only from the question box, and a stopped
+        # answer had no timings line. Now from anywhere, with what the page measured.
+        expect(page.locator("#timings")).to_contain_text("stopped after")
+        tab.ask("And describe it again, slowly.")
+        expect(page.locator("#answer-text")).not_to_have_text("", timeout=60_000)
+        page.evaluate("document.activeElement && document.activeElement.blur()")
+        page.keyboard.press("Escape")
+        expect(page.locator(LIVE)).to_contain_text("(stopped)")
+        expect(page.locator("#timings")).to_contain_text("stopped after")
+        daemon.wait_queue(0, 0, timeout=10)
         assert tab.errors == []
     finally:
         tab.close()

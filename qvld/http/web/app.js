@@ -270,6 +270,8 @@ async function send() {
   busy(true);
   const text = $("answer-text");
   let finish = null;
+  const started = performance.now();
+  let firstPiece = null; // when the first words arrived, as this page saw it
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
@@ -284,6 +286,7 @@ async function send() {
       if (event.error) throw new ApiError(event.error.message, 0);
       const choice = (event.choices || [])[0];
       if (choice && choice.delta && choice.delta.content) {
+        if (firstPiece === null) firstPiece = performance.now();
         text.append(document.createTextNode(choice.delta.content)); // as it arrives
       }
       if (choice && choice.finish_reason) finish = choice.finish_reason;
@@ -295,6 +298,11 @@ async function send() {
       // A new chat began meanwhile: this answer is gone from the page.
     } else if (err.name === "AbortError") {
       text.append(document.createTextNode(" …(stopped)"));
+      // The daemon's own timings never came: what this page measured instead.
+      const parts = [];
+      if (firstPiece !== null) parts.push(`first token ${((firstPiece - started) / 1000).toFixed(2)} s`);
+      parts.push(`stopped after ${((performance.now() - started) / 1000).toFixed(2)} s`);
+      $("timings").textContent = parts.join(" · ");
     } else {
       if (err.status === 401) askForKey();
       if (!text.textContent) text.textContent = "(no answer)";
@@ -319,7 +327,12 @@ $("question").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
     event.preventDefault();
     send();
-  } else if (event.key === "Escape") {
+  }
+});
+// Escape stops an answer wherever the focus is (the Stop button, the transcript, none).
+document.addEventListener("keydown", (event) => {
+  if (event.key === "Escape" && state.controller) {
+    event.preventDefault();
     stop();
   }
 });
