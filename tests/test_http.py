@@ -161,6 +161,7 @@ def test_models_and_health(daemon: HttpDaemon) -> None:
     extra = models[0].model_extra or {}
     assert extra["input_modalities"] == ["text", "image", "video"]
     assert extra["context_length"] > 0
+    assert extra["runtime"].startswith("openvino ")
     status, _, body = daemon.request("GET", "/health")
     assert status == 200 and body == {"status": "ready", "ready": True}
 

@@ -146,6 +146,9 @@ def test_stop_ends_the_answer_in_the_daemon(browser: Any, daemon: HttpDaemon) ->
     page = tab.page
     try:
         expect(page.locator("#model")).to_contain_text("context")
+        # #49: only the model id and context length were shown.
+        expect(page.locator("#model")).to_contain_text("openvino")
+        expect(page.locator("#model")).to_contain_text("takes text, image, video")
         tab.ask("Describe this picture in detail.", RECEIPT)
         expect(page.locator("#answer-text")).not_to_have_text("", timeout=60_000)
         page.get_by_role("button", name="Stop").click()

@@ -942,6 +942,8 @@ class HttpFront:
                  "created": int(time.time() - (time.monotonic() - self.state.started)),
                  "owned_by": "qvld", "input_modalities": ["text", "image", "video"],
                  "output_modalities": ["text"],
+                 # Which runtime computes the answers (the web page shows it).
+                 "runtime": f"{engine.served.runtime} {engine.served.runtime_version}",
                  "context_length": engine.stats()["max_context_tokens"],
                  "max_completion_tokens": (self.state.config.engine.max_new_tokens or
                                            engine.stats()["max_context_tokens"])}

@@ -82,7 +82,9 @@ async function connect() {
   const model = ((await response.json()).data || [])[0];
   if (model) {
     state.model = model.id;
-    $("model").textContent = `${model.id} · context ${model.context_length} tokens`;
+    const takes = (model.input_modalities || ["text", "image"]).join(", ");
+    $("model").textContent = `${model.id} · context ${model.context_length} tokens` +
+      (model.runtime ? ` · ${model.runtime}` : "") + ` · takes ${takes}`;
   }
   const health = await fetch("/health").then((r) => r.json()).catch(() => null);
   if (health && !health.ready) $("model").textContent += ` · ${health.status}`;
