@@ -110,6 +110,8 @@ def test_ask_about_a_picture_then_follow_up(browser: Any, daemon: HttpDaemon) ->
         live = page.locator(LIVE)
         page.evaluate(RECORD)
         tab.ask("What is the total on this receipt?", RECEIPT)
+        # #49: the picture left the turn while its answer streamed; turns had no labels.
+        expect(page.get_by_alt_text("The picture asked about")).to_be_visible()
         expect(live).to_contain_text("first token", timeout=60_000)
         seen = [t for t in page.evaluate("window.__seen") if "first token" not in t]
         grown = [t for i, t in enumerate(seen) if t and (i == 0 or t != seen[i - 1])]
@@ -126,6 +128,10 @@ def test_ask_about_a_picture_then_follow_up(browser: Any, daemon: HttpDaemon) ->
         expect(live).to_contain_text("first token", timeout=60_000)
         turn = page.locator(".turn").inner_text()
         assert "What is the total on this receipt?" in turn
+        assert [label.lower() for label in page.locator(".turn .who").all_inner_texts()] == [
+            "you", "qvld"]
+        expect(page.locator(".turn img")).to_be_visible()
+        expect(page.locator("#latest-picture")).to_be_hidden()  # the follow-up had none
         assert first_answer[:40] in turn
         assert "And the date?" in page.locator("#latest").inner_text()
         assert cached_tokens(live.inner_text()) > 100  # the first turn, picture included

@@ -186,7 +186,7 @@ function archiveLatest() {
   const question = document.createElement("p");
   question.className = "question";
   question.textContent = state.latest.question;
-  turn.append(question);
+  turn.append(who("You"), question);
   if (state.latest.blobUrl) {
     const picture = document.createElement("img");
     picture.src = state.latest.blobUrl;
@@ -199,13 +199,26 @@ function archiveLatest() {
   const timings = document.createElement("p");
   timings.className = "timings";
   timings.textContent = $("timings").textContent;
-  turn.append(answer, timings);
+  turn.append(who("qvld"), answer, timings);
   $("transcript").append(turn);
 }
 
-function showLatest(question) {
+function who(name) {
+  const label = document.createElement("p");
+  label.className = "who";
+  label.textContent = name;
+  return label;
+}
+
+// The question being answered, with its picture (it stays in its turn).
+function showLatest(question, blobUrl) {
   $("latest-question").textContent = question;
   $("latest-question").hidden = false;
+  $("latest-you").hidden = $("latest-qvld").hidden = false;
+  const picture = $("latest-picture");
+  picture.hidden = !blobUrl;
+  if (blobUrl) picture.src = blobUrl;
+  else picture.removeAttribute("src");
   $("answer-text").textContent = "";
   $("answer-text").classList.remove("placeholder");
   $("timings").textContent = "";
@@ -263,7 +276,7 @@ async function send() {
   content.push({type: "text", text: question});
   archiveLatest();
   state.latest = {question, blobUrl: image ? image.blobUrl : null};
-  showLatest(question);
+  showLatest(question, image ? image.blobUrl : null);
   $("question").value = "";
   dropImage(true);
   const controller = new AbortController();
@@ -346,6 +359,7 @@ $("new-chat").addEventListener("click", () => {
   state.latest = null;
   $("transcript").replaceChildren();
   $("latest-question").hidden = true;
+  $("latest-you").hidden = $("latest-qvld").hidden = $("latest-picture").hidden = true;
   $("answer-text").textContent = "Pick a picture and ask about it.";
   $("answer-text").classList.add("placeholder");
   $("timings").textContent = "";
