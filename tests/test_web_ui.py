@@ -7,6 +7,7 @@ script error. A screenshot is kept in build/artifacts/ for CI."""
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -174,6 +175,49 @@ def test_stop_ends_the_answer_in_the_daemon(browser: Any, daemon: HttpDaemon) ->
         daemon.wait_queue(0, 0, timeout=10)
         assert tab.errors == []
     finally:
+        tab.close()
+
+
+def test_settings_are_kept_in_the_browser_and_asked_with(browser: Any,
+                                                         daemon: HttpDaemon) -> None:
+    """#49: no temperature, max tokens, system prompt or answer format could be set."""
+    from playwright.sync_api import expect
+
+    tab = Page(browser, daemon)
+    page = tab.page
+    try:
+        expect(page.locator("#model")).to_contain_text("context")
+        page.get_by_text("Settings").click()
+        page.get_by_label("Temperature").fill("0")
+        page.get_by_label("Max tokens").fill("6")
+        page.get_by_label("Answer format").select_option("json_object")
+        page.get_by_label("System prompt").fill("Answer in JSON.")
+        page.reload()  # kept in this browser
+        expect(page.locator("#model")).to_contain_text("context")
+        page.get_by_text("Settings").click()
+        expect(page.get_by_label("Max tokens")).to_have_value("6")
+        expect(page.get_by_label("Answer format")).to_have_value("json_object")
+        expect(page.get_by_label("System prompt")).to_have_value("Answer in JSON.")
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "web-ui-settings.png"), full_page=True)
+        bodies: list[dict[str, Any]] = []
+        page.on("request", lambda r: bodies.append(json.loads(r.post_data or "{}"))
+                if r.url.endswith("/v1/chat/completions") else None)
+        tab.ask("Describe this picture.", RECEIPT)
+        live = page.locator(LIVE)
+        expect(live).to_contain_text("first token", timeout=60_000)
+        answered = re.search(r"answer (\d+) tokens", live.inner_text())
+        assert answered and int(answered.group(1)) <= 6
+        text = page.locator("#answer-text").inner_text().replace(
+            " …(cut at the token limit)", "")
+        assert isinstance(json.loads(text), dict)  # the format closed the answer in time
+        (body,) = bodies
+        assert (body["temperature"], body["max_tokens"], body["response_format"]) == (
+            0, 6, {"type": "json_object"})
+        assert body["messages"][0] == {"role": "system", "content": "Answer in JSON."}
+        assert tab.errors == []
+    finally:
+        tab.page.evaluate("localStorage.clear()")
         tab.close()
 
 

@@ -14,7 +14,60 @@ const state = {
   controller: null, // the AbortController of the answer being streamed
   latest: null, // {question, blobUrl}: what #latest shows
   turn: 0, // counts questions and new chats: a stopped answer's end is told to its own
+  asked: false, // this chat's session has had a question (the system prompt went with it)
 };
+
+// Settings kept in this browser (localStorage): what each answer is asked with.
+const SETTINGS_KEY = "qvld-settings";
+const SETTING_FIELDS = {system: "set-system", temperature: "set-temperature",
+                        top_p: "set-top-p", max_tokens: "set-max-tokens",
+                        format: "set-format", schema: "set-schema"};
+
+function loadSettings() {
+  let saved = {};
+  try {
+    saved = JSON.parse(localStorage.getItem(SETTINGS_KEY) || "{}") || {};
+  } catch (err) {
+    saved = {};
+  }
+  for (const [name, id] of Object.entries(SETTING_FIELDS)) {
+    if (typeof saved[name] === "string") $(id).value = saved[name];
+  }
+  showSchema();
+}
+
+function saveSettings() {
+  const values = {};
+  for (const [name, id] of Object.entries(SETTING_FIELDS)) values[name] = $(id).value;
+  localStorage.setItem(SETTINGS_KEY, JSON.stringify(values));
+}
+
+function showSchema() {
+  const wanted = $("set-format").value === "json_schema";
+  $("set-schema").hidden = $("set-schema-label").hidden = !wanted;
+}
+
+// The request's sampling and format from the settings (the server checks each value).
+function askedWith() {
+  const body = {};
+  for (const [name, id] of [["temperature", "set-temperature"], ["top_p", "set-top-p"],
+                            ["max_tokens", "set-max-tokens"]]) {
+    const value = $(id).value.trim();
+    if (value !== "") body[name] = Number(value);
+  }
+  const format = $("set-format").value;
+  if (format === "json_object") body.response_format = {type: "json_object"};
+  if (format === "json_schema") {
+    let schema;
+    try {
+      schema = JSON.parse($("set-schema").value);
+    } catch (err) {
+      throw new ApiError(`The answer format's schema is not JSON: ${err.message}`, 0);
+    }
+    body.response_format = {type: "json_schema", json_schema: {name: "answer", schema}};
+  }
+  return body;
+}
 
 function newSessionId() {
   // crypto.getRandomValues works on plain http too (randomUUID needs a secure origin).
@@ -288,15 +341,20 @@ async function send() {
   const started = performance.now();
   let firstPiece = null; // when the first words arrived, as this page saw it
   try {
+    const messages = [{role: "user", content}];
+    const system = $("set-system").value.trim();
+    // The session keeps the history: the system prompt goes with its first question.
+    if (system && !state.asked) messages.unshift({role: "system", content: system});
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
       headers: {...headers(true), "X-Qvld-Session": state.session},
       body: JSON.stringify({model: state.model, stream: true,
                             stream_options: {include_usage: true},
-                            messages: [{role: "user", content}]}),
+                            ...askedWith(), messages}),
       signal: controller.signal,
     });
     if (!response.ok) throw await apiError(response);
+    state.asked = true;
     await readEvents(response, (event) => {
       if (event.error) throw new ApiError(event.error.message, 0);
       const choice = (event.choices || [])[0];
@@ -352,7 +410,7 @@ document.addEventListener("keydown", (event) => {
   }
 });
 $("stop").addEventListener("click", stop);
-$("new-chat").addEventListener("click", () => {
+function newChat() {
   stop();
   state.turn += 1;
   state.session = newSessionId();
@@ -365,7 +423,22 @@ $("new-chat").addEventListener("click", () => {
   $("timings").textContent = "";
   dropImage();
   hideError();
+  state.asked = false;
   $("question").focus();
+}
+$("new-chat").addEventListener("click", newChat);
+$("settings-form").addEventListener("input", (event) => {
+  saveSettings();
+  showSchema();
+  if (event.target.id === "set-system" && state.asked) state.pendingNewChat = true;
 });
+$("set-system").addEventListener("change", () => {
+  if (state.pendingNewChat) {
+    state.pendingNewChat = false;
+    newChat(); // a system prompt opens a conversation: the next question starts one
+  }
+});
+$("settings-form").addEventListener("submit", (event) => event.preventDefault());
+loadSettings();
 
 connect();
