@@ -141,6 +141,7 @@ def qvlctl(hub: LocalHub, tmp_path: Path, *args: str) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # ~9 s: a 12 MiB download, a load check and a daemon (default tier < 5 min)
 def test_a_pulled_model_is_checked_put_in_place_listed_and_served(
         hubs: list[LocalHub], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A large file is cut off once after its first chunk: the download resumes with a

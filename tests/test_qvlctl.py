@@ -431,8 +431,6 @@ def test_ctrl_c_on_a_terminal_stops_the_answer_and_the_chat_goes_on(
     term.type(b"\x03")  # Ctrl-C
     term.expect("(stopped)")
     term.expect("you> ")
-    term.type(b"half a line\x03")  # Ctrl-C at the prompt drops the line, stays
-    term.expect("you> ")
     term.type(b"Again\r")
     term.expect("qvl> fine")
     term.expect("you> ")

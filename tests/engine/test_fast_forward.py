@@ -160,6 +160,7 @@ def test_an_unbounded_string_cut_by_max_tokens_still_validates(fast: Engine) -> 
         streamed.clear()
 
 
+@pytest.mark.slow  # ~7 s of sampled answers (the default tier stays under 5 minutes)
 def test_sampled_answers_close_and_validate_at_every_budget(fast: Engine) -> None:
     shortest = None
     for max_tokens in range(21, 60, 6):

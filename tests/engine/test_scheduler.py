@@ -33,6 +33,9 @@ def alone() -> Engine:
     return Engine(parity_config(TINY, infer_requests=1, max_sequences=1))
 
 
+# ~9 s; exact ids under preemption stay in the default tier (outgrow[paged]) and the
+# policy's own case (test_scheduler_policy): the default tier stays under 5 minutes.
+@pytest.mark.slow
 def test_a_waiting_user_preempts_the_one_holding_every_place_and_no_token_changes(
         alone: Engine) -> None:
     engine = Engine(parity_config(TINY, infer_requests=2, max_sequences=2, prefill_chunk=16))
