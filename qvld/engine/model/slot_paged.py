@@ -19,7 +19,10 @@ sequence shares, a preempted sequence's recompute, a reader (``read_rows``) all 
 Every write bumps the block's version, which is how a slot learns its mirror is stale.
 
 Memory: the blocks (``engine.kv_cache_mb``) plus each slot's own copy of the sequence
-it last ran (at most the context each).
+it last ran (at most the context each). Time: ONNX Runtime's rows are read out as views
+(one row copied per decode step); OpenVINO's stateful model gives no view of its
+state, so reading a step's rows out converts its whole cache (O(context) per step, in
+a mode that is not the default).
 """
 
 from __future__ import annotations
