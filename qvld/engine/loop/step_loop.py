@@ -107,7 +107,6 @@ class StepLoop:
         self.steps = 0
         # (running, waiting) as the loop last published them: read by other threads.
         self.view: tuple[tuple[Sequence, ...], tuple[Sequence, ...]] = ((), ())
-        self.arrivals_view: tuple[int, int] = (0, 0)
         # Started by the first sequence, gone when none is left: an engine replaced by a
         # reload leaves no thread (and no model) behind.
         self._thread: threading.Thread | None = None
@@ -233,10 +232,6 @@ class StepLoop:
         running, waiting = self.view
         return len(running), len(waiting)
 
-    def arrivals(self) -> tuple[int, int]:
-        """(waiting for a slot, encoding) generations, as last published."""
-        return self.arrivals_view
-
     # -- the step thread: the inbox's messages --------------------------------------------
 
     def _add(self, seq: Sequence) -> None:
@@ -357,7 +352,6 @@ class StepLoop:
     def _publish(self) -> None:
         running, waiting = self.scheduler.snapshot()
         self.view = (tuple(running), tuple(waiting))
-        self.arrivals_view = self.scheduler.arrivals()
 
     def _step(self) -> bool:
         t_plan = time.perf_counter()

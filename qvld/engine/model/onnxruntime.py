@@ -103,8 +103,6 @@ class SessionModels:
         self.hidden_size = spec.hidden_size
         self.kv_shape = (1, spec.num_kv_heads, 0, spec.head_dim)
         self.deepstack_layers = spec.vision.deepstack_layers
-        # keys and values, every layer, every KV head, f32.
-        self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
         # A large graph's weights (its .data file) may be mapped; the MatMul weights are
         # prepacked into memory of ORT's own, so the mapped pages can be dropped.
         self.weight_files = {str(p.resolve()) for sub in submodels
@@ -116,6 +114,7 @@ class SessionModels:
         # f32 blocks are what engine.kv_cache_mb holds.
         self.paged = False
         self.kv_layout = KvLayout(2 * spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.kv_bytes_per_token = self.kv_layout.bytes_per_token  # keys and values, f32
         self.kv_block_size = BLOCK_ROWS
         self.runtime_version = str(ort.__version__)
         self.runtime_properties = {
