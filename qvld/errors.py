@@ -64,6 +64,14 @@ class Busy(QvlError):
     retryable = True
 
 
+class SessionLost(QvlError):
+    """A request said how many turns its session holds (``session_turns``) and the daemon's
+    session holds another count: it ended (restart, expiry, eviction, close) or moved on.
+    Nothing ran; the client resends the history it holds."""
+
+    code = "session_lost"
+
+
 class Timeout(QvlError):
     code = "timeout"
 
@@ -98,6 +106,7 @@ ERRORS_BY_CODE: dict[str, type[QvlError]] = {
         VideoInvalid,
         PromptTooLong,
         Busy,
+        SessionLost,
         Timeout,
         Forbidden,
         Unavailable,

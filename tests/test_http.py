@@ -200,6 +200,12 @@ def test_session_header_reuses_the_conversation(daemon: HttpDaemon) -> None:
     assert second.usage.prompt_tokens > history
     # Whole KV blocks of 32 rows are reused (all of it on a slot of its own).
     assert history >= 64 and details.cached_tokens >= history // 32 * 32
+    # A page that holds 1 turn where the daemon holds 2 is told, in a typed 409.
+    status, _, body = daemon.request(
+        "POST", "/v1/chat/completions", json.dumps({
+            "messages": [{"role": "user", "content": "Hi"}], "session_turns": 1}).encode(),
+        {"X-Qvld-Session": "chat-1", "Content-Type": "application/json"})
+    assert status == 409 and body["error"]["code"] == "session_lost", body
     # A header that is not a session id is refused, naming the header.
     status, _, body = daemon.request(
         "POST", "/v1/chat/completions", json.dumps({"messages": first_turn}).encode(),

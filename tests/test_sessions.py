@@ -95,6 +95,36 @@ def test_a_lost_session_is_answered_afresh_and_says_so(daemon: Daemon) -> None:
             client.close_session(f"lost-{n}")
 
 
+def test_a_client_that_says_its_turns_is_refused_when_they_differ(daemon: Daemon) -> None:
+    from qvld.errors import BadRequest, SessionLost
+
+    hi = [{"role": "user", "content": "Hi"}]
+    with daemon.client() as client:
+        # Never held (a restarted daemon holds nothing): refused before anything runs.
+        with pytest.raises(SessionLost, match="does not hold it"):
+            client.generate({"messages": hi, "max_tokens": 2, "session": "turns-a",
+                             "session_turns": 1})
+        assert "turns-a" not in {s["id"] for s in client.sessions()}
+        first = client.generate({"messages": hi, "max_tokens": 2, "session": "turns-a",
+                                 "session_turns": 0})
+        assert first["session"] == {"id": "turns-a", "turns": 1, "reset": False}
+        second = client.generate({"messages": hi, "max_tokens": 2, "session": "turns-a",
+                                  "session_turns": 1})
+        assert second["session"]["turns"] == 2
+        # It continued the history (the first turn's prompt and answer are in its prompt).
+        assert second["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"] + 2
+        with pytest.raises(SessionLost, match="holds 2"):  # a client a turn behind
+            client.generate({"messages": hi, "max_tokens": 2, "session": "turns-a",
+                             "session_turns": 1})
+        client.close_session("turns-a")  # closed by its owner: no tombstone
+        with pytest.raises(SessionLost, match="does not hold it"):
+            client.generate({"messages": hi, "max_tokens": 2, "session": "turns-a",
+                             "session_turns": 2})
+        with pytest.raises(BadRequest, match="with session"):
+            client.generate({"messages": hi, "max_tokens": 2, "session_turns": 0})
+        assert client.health()["ready"]  # nothing else broke
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as another uid")
 def test_sessions_are_per_user_and_invisible_to_others(shared_dir: Path) -> None:
     daemon = Daemon(shared_dir, args=["--set", "server.socket_mode=0666",

@@ -74,7 +74,7 @@ from qvld.engine.types import (
     TokenCallback,
     Usage,
 )
-from qvld.errors import BadRequest, Busy, ModelInvalid, PromptTooLong
+from qvld.errors import BadRequest, Busy, ModelInvalid, PromptTooLong, SessionLost
 from qvld.fairqueue import within_share
 
 log = logging.getLogger("qvld.engine")
@@ -277,6 +277,7 @@ class Engine:
         lost = False
         if request.session is not None:  # looked up, never created before a turn commits
             session, lost = self.sessions.lookup(uid, request.session)
+            self._check_turns(request, session, lost)
         # The version first: a turn committing meanwhile is then caught by ``begin``.
         version = session.version if session is not None else 0
         history = session.ids if session is not None else []
@@ -300,6 +301,22 @@ class Engine:
                                history_tokens=len(history), session_reset=lost,
                                history_images=history_images, pinned=pinned,
                                constraint=constraint)
+
+    @staticmethod
+    def _check_turns(request: GenerateRequest, session: Session | None, lost: bool) -> None:
+        """A client that said how many turns its session holds is refused, before anything
+        runs, when the daemon's holds another count (it resends the history it has)."""
+        expected = request.session_turns
+        held = session.turns if session is not None else 0
+        if expected is None or held == expected:
+            return
+        if session is None:
+            why = ("it ended (expired, evicted or closed)" if lost
+                   else "the daemon does not hold it (restarted, or never had it)")
+        else:
+            why = f"it holds {held}"
+        raise SessionLost(f"session {request.session!r} was expected to hold {expected} "
+                          f"turns; {why}")
 
     @property
     def rows_room(self) -> int:

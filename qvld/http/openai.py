@@ -50,7 +50,7 @@ FIELDS = frozenset({
     "cache_prompt", "keep_alive", "n_predict",
     # extensions
     "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "max_image_tokens",
-    "ignore_eos", "session",
+    "ignore_eos", "session", "session_turns",
 })
 # name -> the values that ask for nothing (what clients send by default).
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
@@ -61,7 +61,7 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
 # Passed through to protocol v1 as they are (its parser checks types and ranges).
 PASSED = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
           "top_k", "min_p", "repetition_penalty", "max_image_tokens", "ignore_eos", "session",
-          "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+          "session_turns", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
           "logit_bias")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
@@ -81,10 +81,12 @@ STATUS = {"bad_request": 400, "unsupported_version": 400, "image_invalid": 400,
           "image_too_large": 400, "video_invalid": 400, "prompt_too_long": 400,
           "frame_too_large": 413,
           "invalid_api_key": 401, "forbidden": 403, "not_found": 404,
-          "method_not_allowed": 405, "busy": 429, "unavailable": 503, "timeout": 504,
+          "method_not_allowed": 405, "session_lost": 409, "busy": 429, "unavailable": 503,
+          "timeout": 504,
           "internal": 500}
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+         409: "invalid_request_error",
          413: "invalid_request_error", 415: "invalid_request_error",
          421: "invalid_request_error",
          429: "rate_limit_error", 500: "server_error", 503: "unavailable_error",

@@ -43,6 +43,9 @@ class GenerateRequest:
     ignore_eos: bool = False
     max_image_tokens: int | None = None
     session: str | None = None  # continue (or start) this conversation
+    # The turns the client holds for ``session``: refused (session_lost) when the daemon's
+    # session holds another count, before anything runs. None: not checked.
+    session_turns: int | None = None
     response_format: ResponseFormat | None = None  # what the answer must match
     # Each generated token's log-probability and this many alternatives (0..20); None: off.
     logprobs: int | None = None
@@ -59,7 +62,7 @@ class GenerateRequest:
 
 GENERATE_PARAMS = frozenset({
     "messages", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "seed", "stop", "session", "stream",
+    "presence_penalty", "frequency_penalty", "seed", "stop", "session", "session_turns", "stream",
     "deadline_s", "ignore_eos", "max_image_tokens", "response_format", "logprobs",
     "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "min_p", "n",
     "logit_bias", "prompt",
@@ -163,6 +166,10 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
     if session is not None and (not isinstance(session, str)
                                 or not protocol.SESSION_ID.fullmatch(session)):
         raise BadRequest("session must be 1-128 characters of [A-Za-z0-9._-]")
+    session_turns = int_param(params, "session_turns")
+    if session_turns is not None and (session is None or session_turns < 0):
+        raise BadRequest("session_turns is the count of turns a session holds: an integer "
+                         ">= 0, with session")
     seed = int_param(params, "seed")
     if seed is not None and not 0 <= seed < 2 ** 63:
         raise BadRequest("seed must be within [0, 2^63)")
@@ -197,6 +204,7 @@ def parse_generate(params: dict[str, Any]) -> tuple[GenerateRequest, bool]:
         ignore_eos=bool_param(params, "ignore_eos"),
         max_image_tokens=int_param(params, "max_image_tokens"),
         session=session,
+        session_turns=session_turns,
         response_format=response_format,
         logprobs=logprobs,
         min_p=number_param(params, "min_p"),
