@@ -289,7 +289,7 @@ def test_n_gives_that_many_choices_streamed_or_not(daemon: HttpDaemon) -> None:
 def test_the_web_page_is_served_with_a_strict_policy_and_cached(daemon: HttpDaemon) -> None:
     status, headers, body = daemon.request("GET", "/")
     assert status == 200 and headers["Content-Type"].startswith("text/html")
-    assert 'aria-live="polite"' in body and "/ui/app.js" in body
+    assert 'role="alert"' in body and 'role="status"' in body and "/ui/app.js" in body
     policy = headers["Content-Security-Policy"]
     assert "default-src 'none'" in policy and "script-src 'self'" in policy
     assert "connect-src 'self'" in policy and "unsafe" not in policy
@@ -297,7 +297,8 @@ def test_the_web_page_is_served_with_a_strict_policy_and_cached(daemon: HttpDaem
     again, cached, _ = daemon.request("GET", "/", headers={"If-None-Match": headers["ETag"]})
     assert again == 304 and cached["ETag"] == headers["ETag"]
     total = len(body.encode())
-    for name, kind in [("app.js", "text/javascript"), ("app.css", "text/css"),
+    for name, kind in [("app.js", "text/javascript"), ("markdown.js", "text/javascript"),
+                       ("store.js", "text/javascript"), ("app.css", "text/css"),
                        ("icon.svg", "image/svg+xml")]:
         status, headers, asset = daemon.request("GET", f"/ui/{name}")
         assert status == 200 and headers["Content-Type"].startswith(kind), name

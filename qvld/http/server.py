@@ -946,7 +946,9 @@ class HttpFront:
                  "runtime": f"{engine.served.runtime} {engine.served.runtime_version}",
                  "context_length": engine.stats()["max_context_tokens"],
                  "max_completion_tokens": (self.state.config.engine.max_new_tokens or
-                                           engine.stats()["max_context_tokens"])}
+                                           engine.stats()["max_context_tokens"]),
+                 # The largest body taken (the page checks a picture or clip's size first).
+                 "max_request_bytes": self.config.max_body_bytes}
         wanted = request.match_info.get("model")
         if wanted is None:
             return web.json_response({"object": "list", "data": [entry]})

@@ -1,12 +1,14 @@
 """The built-in web page (``/``): static files shipped in the package, served as they are.
 
-The page (``web/index.html``, ``app.css``, ``app.js``; plain HTML, CSS and JavaScript, no
-build step) talks to the public API only (``/v1/chat/completions`` streamed, with a
-session header; ``/v1/models``; ``/health``), so whatever it does a script could do. It
+The page (``web/index.html``, ``app.css``, ``app.js``, ``markdown.js``, ``store.js``:
+plain HTML, CSS and JavaScript, no build step) talks to the public API only
+(``/v1/chat/completions`` streamed, with a session header; ``/v1/models``;
+``/health``), so whatever it does a script could do. It
 needs no key to load: it holds nothing but itself, and asks for a key when the API
 does. Every file is sent with a Content-Security-Policy that allows only this origin
-(and ``blob:`` images, the preview of a picked picture), nothing loaded from elsewhere,
-and an ETag: browsers keep it and revalidate (304) on each load.
+(and ``blob:`` pictures and clips: those picked, and those kept in the browser),
+nothing loaded from elsewhere, and an ETag: browsers keep it and revalidate (304) on
+each load.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from importlib import resources
 from aiohttp import web
 
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; "
+       "media-src 'self' blob:; "
        "connect-src 'self'; manifest-src 'self'; base-uri 'none'; form-action 'none'; "
        "frame-ancestors 'none'")
 TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
