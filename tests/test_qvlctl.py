@@ -348,6 +348,18 @@ class Terminal:
         self.seen = at + len(text)
         return self.shown[:self.seen]
 
+    def wait_reading(self, timeout: float = 30) -> None:
+        """Wait until readline has the terminal (canonical mode off) and sleeps in its
+        wait for a key. CPython's readline only notices a SIGINT that interrupts that
+        wait: one that lands while it is still handling the keys before is kept until
+        the next key (a person presses Ctrl-C again; a test must not race it)."""
+        deadline = time.monotonic() + timeout
+        wchan = Path(f"/proc/{self.pid}/wchan")
+        while (termios.tcgetattr(self.fd)[3] & termios.ICANON
+               or not re.search("select|poll", wchan.read_text())):
+            assert time.monotonic() < deadline, "readline never waited for a key"
+            time.sleep(0.01)
+
     def exit_code(self, timeout: float = 30) -> int:
         deadline = time.monotonic() + timeout
         while True:
@@ -437,6 +449,34 @@ def test_ctrl_c_on_a_terminal_stops_the_answer_and_the_chat_goes_on(
     term.type(b"\x04")
     assert term.exit_code() == 0
     assert [text for text, _ in user_texts(calls)] == ["Hi", "Again"]
+    assert "Traceback" not in term.shown
+
+
+def test_ctrl_c_at_the_prompt_drops_the_line_and_ctrl_d_leaves(
+        fake: Callable[[Responder], Path], tmp_path: Path) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def respond(request: dict[str, Any]) -> list[bytes]:
+        if request["op"] == "generate":
+            calls.append(request)
+        return answers(["fine"])(request)
+
+    term = chat_on_a_terminal(fake(respond), tmp_path)
+    term.expect("you> ")
+    term.wait_reading()
+    term.type(b"half a thought")
+    term.expect("half a thought")
+    term.wait_reading()
+    term.type(b"\x03")  # Ctrl-C: the line is dropped, the chat goes on
+    term.expect("you> ")
+    term.wait_reading()
+    term.type(b"Hi\r")
+    term.expect("qvl> fine")
+    term.expect("you> ")
+    term.wait_reading()
+    term.type(b"\x04")  # Ctrl-D at an empty prompt: leave
+    assert term.exit_code() == 0
+    assert [text for text, _ in user_texts(calls)] == ["Hi"]
     assert "Traceback" not in term.shown
 
 
