@@ -34,7 +34,15 @@ are ONNX Runtime's fused contrib ops (``com.microsoft`` RotaryEmbedding and
 MultiHeadAttention: the graphs are for ONNX Runtime, the runtime that reads them).
 
 Weights: ``fp32`` as exported, or ``int8``: onnxruntime's dynamic quantisation of every
-MatMul/Gemm weight (per output channel, signed), activations quantised per call.
+MatMul/Gemm weight (per output channel, signed), activations quantised per call,
+computed a tensor at a time by ``onnx_int8`` (the same model, byte for byte).
+
+Memory: each part (text embeddings, vision, language model) is traced in a process of
+its own, holding only its own weights, as fp32 tensors in files mapped shared (the
+kernel writes them back and drops them under pressure), the language model's
+projections stored transposed (so constant folding copies none of them). The full-size
+int8 export runs inside an 8 GiB memory cgroup (``bench/peak_memory.py``; BENCHMARKS.md,
+"Memory: building the ONNX layout").
 
 Needs the ``convert`` extra (torch, transformers, onnx, onnxruntime).
 """
@@ -230,15 +238,125 @@ def _modules() -> Any:
     return TableLookup, PatchEmbedding, VisionMerger, LanguageModel
 
 
+# What each part of the export traces, in a process of its own (see export_fp32).
+PARTS = {"text": ("text_embeddings_model",),
+         "vision": ("vision_embeddings_model", "vision_embeddings_pos_model",
+                    "vision_embeddings_merger_model"),
+         "language": ("language_model",)}
+
+
 def export_fp32(src: Path, dst: Path) -> None:
-    """Trace the five submodels of the checkpoint in ``src`` into ``dst`` at fp32."""
+    """Trace the five submodels of the checkpoint in ``src`` into ``dst`` at fp32.
+
+    Each part (text embeddings, vision, language model) is traced in a fresh process
+    that keeps only the weights it needs and makes only those fp32, so the peak is the
+    largest part, not the whole model twice (``bench/peak_memory.py``): the full-size
+    language model is 6.9 GB of fp32 weights, the whole checkpoint 8.5 GB.
+    """
+    import multiprocessing
+
+    for part in PARTS:
+        child = multiprocessing.get_context("spawn").Process(target=export_part,
+                                                             args=(src, dst, part))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"exporting the {part} part failed (exit {child.exitcode})")
+
+
+class FileBacked:
+    """fp32 tensors whose pages live in files (mapped shared, the files unlinked at
+    once): the kernel can write them back and drop them under memory pressure, where
+    anonymous memory would have to fit. The exporter reads each weight once, in order,
+    to write it out; holding the full-size language model's 6.9 GB of fp32 weights as
+    anonymous memory is what made the export need more than a small server has."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.count = 0
+
+    def copy(self, tensor: Any) -> Any:
+        """``tensor`` (any layout, any float dtype) as a contiguous fp32 file-backed copy."""
+        import torch
+
+        self.count += 1
+        path = self.directory / f"{self.count}.f32"
+        out = torch.from_file(str(path), shared=True, size=max(tensor.numel(), 1),
+                              dtype=torch.float32)[:tensor.numel()].view(tensor.shape)
+        path.unlink()  # the mapping keeps the file until the tensor is freed
+        out.copy_(tensor)
+        return out
+
+
+def _keep_only(model: Any, part: str, store: FileBacked) -> None:
+    """Drop the weights ``part`` does not trace, and make the rest fp32 in files, one
+    tensor at a time (the checkpoint's own dtype was loaded: the upcast is exact)."""
+    import gc
+
+    import torch
+
+    inner = model.model
+    if part != "vision":
+        inner.visual = None
+    if part == "vision":
+        inner.language_model, model.lm_head = None, None
+    if part == "text":
+        inner.language_model.layers = torch.nn.ModuleList()
+        model.lm_head = None
+    if part == "language":
+        inner.language_model.embed_tokens = None  # the graph takes embeddings
+    gc.collect()
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(store.copy(param.detach()),
+                                                     requires_grad=False))
+            del param
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_floating_point() and buffer.dtype != torch.float32:
+                module.register_buffer(name, buffer.float())
+    gc.collect()
+
+
+def _transposed_linears(root: Any, store: FileBacked) -> None:
+    """Each Linear under ``root`` as a MatMul by its weight stored transposed: traced
+    as it is, where a Linear over 3-D rows is traced as MatMul(x, Transpose(W)) and
+    constant folding then makes a transposed copy of every weight (6.9 GB more for the
+    full-size language model). The graph is the same (MatMul by W^T, then + bias)."""
+    import torch
+    from torch import nn
+
+    class TransposedLinear(nn.Module):
+        def __init__(self, linear: nn.Linear) -> None:
+            super().__init__()
+            self.weight_t = nn.Parameter(store.copy(linear.weight.detach().t()),
+                                         requires_grad=False)
+            self.bias = linear.bias
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = torch.matmul(x, self.weight_t)
+            return out if self.bias is None else out + self.bias
+
+    # By name, not a list of modules: a list would keep every replaced Linear (and its
+    # weight) alive until the end, two copies of every weight at once.
+    names = [name for name, module in root.named_modules() if isinstance(module, nn.Linear)]
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        owner = root.get_submodule(parent) if parent else root
+        setattr(owner, attr, TransposedLinear(getattr(owner, attr)))
+
+
+def export_part(src: Path, dst: Path, part: str) -> None:
+    """Trace one part's graphs (``PARTS``) of the checkpoint in ``src`` into ``dst``."""
     import torch
     from transformers import Qwen3VLForConditionalGeneration
 
     table_lookup, patch_embedding, vision_merger, language_model = _modules()
-    model: Any = Qwen3VLForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
+    model: Any = Qwen3VLForConditionalGeneration.from_pretrained(src, dtype="auto")
     model.eval()
     text, vision = model.config.text_config, model.config.vision_config
+    weights = tempfile.TemporaryDirectory(dir=dst, prefix=f".weights-{part}-")
+    store = FileBacked(Path(weights.name))
+    _keep_only(model, part, store)
     hidden, vis_hidden = text.hidden_size, vision.hidden_size
     merge = vision.spatial_merge_size
     patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
@@ -260,21 +378,28 @@ def export_fp32(src: Path, dst: Path) -> None:
                               dynamo=False, do_constant_folding=True)
             save_graph(traced, onnx_path(dst, name), "fp32")
 
-    export(table_lookup(model.model.language_model.embed_tokens),
-           (torch.zeros(1, 3, dtype=torch.long),), "text_embeddings_model", ["input"],
-           ["inputs_embeds"],
-           {"input": {0: "batch", 1: "seq"}, "inputs_embeds": {0: "batch", 1: "seq"}})
-    export(patch_embedding(model), (torch.zeros(n, patch),), "vision_embeddings_model",
-           ["hidden_states"], ["patch_embeds"],
-           {"hidden_states": {0: "patches"}, "patch_embeds": {0: "patches"}})
-    export(table_lookup(model.model.visual.pos_embed), (torch.zeros(4, n, dtype=torch.long),),
-           "vision_embeddings_pos_model", ["input"], ["pos_embeds"],
-           {"input": {1: "patches"}, "pos_embeds": {1: "patches"}})
-    export(vision_merger(model), (torch.zeros(n, vis_hidden), torch.zeros(n, vis_head // 2)),
-           "vision_embeddings_merger_model",
-           ["hidden_states", "rotary_pos_emb"], ["image_embeds", "deepstack"],
-           {"hidden_states": {0: "patches"}, "rotary_pos_emb": {0: "patches"},
-            "image_embeds": {0: "tokens"}, "deepstack": {1: "tokens"}})
+    if part == "text":
+        export(table_lookup(model.model.language_model.embed_tokens),
+               (torch.zeros(1, 3, dtype=torch.long),), "text_embeddings_model", ["input"],
+               ["inputs_embeds"],
+               {"input": {0: "batch", 1: "seq"}, "inputs_embeds": {0: "batch", 1: "seq"}})
+        return
+    if part == "vision":
+        export(patch_embedding(model), (torch.zeros(n, patch),), "vision_embeddings_model",
+               ["hidden_states"], ["patch_embeds"],
+               {"hidden_states": {0: "patches"}, "patch_embeds": {0: "patches"}})
+        export(table_lookup(model.model.visual.pos_embed),
+               (torch.zeros(4, n, dtype=torch.long),),
+               "vision_embeddings_pos_model", ["input"], ["pos_embeds"],
+               {"input": {1: "patches"}, "pos_embeds": {1: "patches"}})
+        export(vision_merger(model),
+               (torch.zeros(n, vis_hidden), torch.zeros(n, vis_head // 2)),
+               "vision_embeddings_merger_model",
+               ["hidden_states", "rotary_pos_emb"], ["image_embeds", "deepstack"],
+               {"hidden_states": {0: "patches"}, "rotary_pos_emb": {0: "patches"},
+                "image_embeds": {0: "tokens"}, "deepstack": {1: "tokens"}})
+        return
+    _transposed_linears(model, store)  # the decoder's projections and lm_head
     seq, past_len = 3, 2
     past_names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
     present_names = [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
@@ -331,7 +456,8 @@ def save_graph(src: Path, dst: Path, weights: str) -> None:
 
 
 def quantize_int8(directory: Path) -> None:
-    """Replace each graph by onnxruntime's dynamic int8 quantisation of its MatMuls.
+    """Replace each graph by its int8 form (``onnx_int8``: onnxruntime's dynamic
+    quantisation of every MatMul and Gemm weight, computed a tensor at a time).
 
     Signed weights per output channel (the layout that decodes fastest in OpenVINO too);
     the embedding tables (Gather) stay fp32: they are read one row at a time. Weights use
@@ -340,15 +466,12 @@ def quantize_int8(directory: Path) -> None:
     weights overflow it (first-token logits at cosine 0.97 against fp32 on the tiny model
     here, 0.99+ with 7 bits); a model is exported once and served anywhere.
     """
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from qvld.modeltools.onnx_int8 import quantize_graph
 
     for submodel in SUBMODELS:
         path = onnx_path(directory, submodel)
         out = path.with_name(path.stem + ".int8.onnx")
-        large = (path.with_name(path.name + ".data")).exists()
-        quantize_dynamic(path, out, weight_type=QuantType.QInt8, per_channel=True,
-                         reduce_range=True, op_types_to_quantize=["MatMul", "Gemm"],
-                         use_external_data_format=large)
+        quantize_graph(path, out)
         for stale in (path, path.with_name(path.name + ".data")):
             stale.unlink(missing_ok=True)
         save_graph(out, path, "int8")
@@ -361,8 +484,7 @@ def export_directory(source: Path, out: Path, weights: str) -> None:
     export_fp32(source, out)
     if weights == "int8":
         _say("quantising the MatMul weights to int8")
-        # In a fresh process: quantising the full-size graph peaks at ~21 GB, and the
-        # heap torch kept after tracing would come on top of it.
+        # In a fresh process: the heap torch kept after tracing would come on top of it.
         import multiprocessing
 
         child = multiprocessing.get_context("spawn").Process(target=quantize_int8, args=(out,))

@@ -1,0 +1,272 @@
+"""Int8 weights for an ONNX graph, one tensor in memory at a time.
+
+The same model onnxruntime's ``quantize_dynamic`` makes with the options the export has
+always used (``weight_type=QInt8, per_channel=True, reduce_range=True,
+op_types_to_quantize=[MatMul, Gemm]``): each Gemm (alpha = beta = 1, A not transposed)
+becomes a MatMul (its weight transposed) and an Add of its bias; each MatMul whose B is
+a weight becomes::
+
+    DynamicQuantizeLinear(A) -> A_q (u8), A_scale, A_zero_point   (shared by A's users)
+    MatMulInteger(A_q, W_q, A_zero_point, W_zero_point) -> Cast(float)
+    Mul(A_scale, W_scale) -> Mul(that, the cast) -> the MatMul's output
+
+with ``W_q`` the weight's int8 values per output channel (symmetric, 7 bits: scale =
+max|w| / 64 per column, values rounded half to even). ``tests/test_onnx_int8.py``
+holds it to onnxruntime's output: every quantised tensor byte for byte, every output
+equal.
+
+What differs is memory: ``quantize_dynamic`` holds the float model, a copy saved and
+reloaded for shape inference, and the quantised tensors at once (21.4 GB for the
+full-size language model). Here the graph is read without its tensors, and each weight
+is read from the external data file, quantised and written out before the next one is
+read: the peak is the largest weight (the 1.2 GB output projection of the full-size
+model) and its int8 copy.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Page-aligned tensors in the data file: the runtime maps it.
+ALIGN = 4096
+# Tensors this small are kept inside the graph file (as onnx's savers do).
+INLINE_BYTES = 1024
+QMIN, QMAX = -64, 64  # int8 with reduce_range: 7 bits, symmetric
+ROWS_PER_BLOCK = 256
+EXTERNAL_OVER = 64 << 20  # a graph file larger than this gets an external data file
+
+
+def quantize_columns(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 values and float32 scales of ``weight`` [K, N], per column (the MatMul's
+    output channels), as onnxruntime computes them."""
+    weight = np.asarray(weight, dtype=np.float32)
+    absmax = np.maximum(np.abs(np.minimum(weight.min(axis=0), 0)),
+                        np.abs(np.maximum(weight.max(axis=0), 0)))
+    # The range in float64, as onnxruntime's compute_scale_zp: 2 * absmax / (qmax - qmin).
+    scale64 = (absmax.astype(np.float64) * 2) / float(QMAX - QMIN)
+    scale = scale64.astype(np.float32)
+    scale[scale64 < np.finfo(np.float32).tiny] = 1.0  # an all-zero column
+    # In blocks of rows: float temporaries of a block, not of the whole weight.
+    values = np.empty(weight.shape, np.int8)
+    for start in range(0, weight.shape[0], ROWS_PER_BLOCK):
+        block = weight[start:start + ROWS_PER_BLOCK] / scale[None, :]
+        np.round(block, out=block)
+        np.clip(block, -128, 127, out=block)
+        values[start:start + ROWS_PER_BLOCK] = block
+    return values, scale
+
+
+@dataclass
+class TensorSource:
+    """Where a graph's initialisers live: inline in the proto, or in its data file."""
+
+    graph_dir: Path
+    inline: dict[str, Any] = field(default_factory=dict)
+
+    def read(self, tensor: Any) -> np.ndarray:
+        import onnx
+        from onnx import numpy_helper
+
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            return np.asarray(numpy_helper.to_array(tensor))
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        count = int(np.prod(tensor.dims)) if tensor.dims else 1
+        with (self.graph_dir / info["location"]).open("rb") as f:
+            f.seek(int(info.get("offset", 0)))
+            data = np.fromfile(f, dtype=dtype, count=count)
+        return data.reshape(tuple(tensor.dims))
+
+
+class DataWriter:
+    """The output's data file: tensors appended page-aligned, small ones left inline."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.file = path.open("wb") if path is not None else None
+
+    def put(self, name: str, array: np.ndarray) -> Any:
+        from onnx import numpy_helper
+
+        array = np.ascontiguousarray(array)
+        if self.file is None or self.path is None or array.nbytes < INLINE_BYTES:
+            return numpy_helper.from_array(array, name)
+        return self.put_bytes(name, array.dtype, array.shape, array.tobytes())
+
+    def put_bytes(self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...],
+                  blob: bytes | memoryview) -> Any:
+        return self.put_chunks(name, dtype, shape, iter((blob,)))
+
+    def put_chunks(self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...],
+                   chunks: Iterator[bytes | memoryview]) -> Any:
+        import onnx
+
+        assert self.file is not None and self.path is not None
+        tensor = onnx.TensorProto()
+        tensor.name = name
+        tensor.data_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        tensor.dims.extend(shape)
+        self.file.write(b"\0" * (-self.file.tell() % ALIGN))
+        offset = self.file.tell()
+        for chunk in chunks:
+            self.file.write(chunk)
+        length = self.file.tell() - offset
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", str(offset)),
+                           ("length", str(length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        return tensor
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _attributes(node: Any) -> dict[str, Any]:
+    import onnx
+
+    return {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
+
+
+def _gemms_as_matmuls(graph: Any, initializers: dict[str, Any],
+                      transposed: dict[str, str]) -> list[Any]:
+    """Each plain Gemm as MatMul (+ Add of its bias), as onnxruntime rewrites them before
+    quantising; a transposed weight is noted by name (its new name -> its own), and read
+    and transposed only when it is quantised."""
+    import onnx
+
+    nodes: list[Any] = []
+    for node in graph.node:
+        attrs = _attributes(node) if node.op_type == "Gemm" else {}
+        if node.op_type != "Gemm" or attrs.get("alpha", 1.0) != 1.0 \
+                or attrs.get("beta", 1.0) != 1.0 or attrs.get("transA", 0) != 0:
+            nodes.append(node)
+            continue
+        weight = node.input[1]
+        if attrs.get("transB", 0) == 1:
+            if weight in initializers:
+                transposed[weight + "_Transposed"] = weight
+                weight += "_Transposed"
+            else:
+                nodes.append(onnx.helper.make_node("Transpose", [weight], [weight + "_Transposed"],
+                                                   name=node.name + "_Transpose"))
+                weight += "_Transposed"
+        biased = len(node.input) > 2
+        product = node.output[0] + ("_MatMul" if biased else "")
+        nodes.append(onnx.helper.make_node("MatMul", [node.input[0], weight], [product],
+                                           name=node.name + "_MatMul" if node.name else ""))
+        if biased:
+            nodes.append(onnx.helper.make_node("Add", [product, node.input[2]],
+                                               list(node.output),
+                                               name=node.name + "_Add" if node.name else ""))
+    return nodes
+
+
+def quantize_graph(src: Path, dst: Path, say: Any = None) -> None:
+    """Write ``dst`` (and ``dst.data`` when ``src`` has external data): ``src`` with its
+    MatMul and Gemm weights in int8, as described in the module docstring."""
+    import onnx
+
+    proto = onnx.load(str(src), load_external_data=False)
+    graph = proto.graph
+    source = TensorSource(src.parent)
+    initializers = {t.name: t for t in graph.initializer}
+    transposed: dict[str, str] = {}
+    nodes = _gemms_as_matmuls(graph, initializers, transposed)
+    weights: dict[str, str] = {}  # float weight -> its int8 name
+    quantized_inputs: set[str] = set()
+    out_nodes: list[Any] = []
+    for node in nodes:
+        b = node.input[1] if node.op_type == "MatMul" else ""
+        if not b or (b not in initializers and b not in transposed):
+            out_nodes.append(node)
+            continue
+        a = node.input[0]
+        if a not in quantized_inputs:
+            quantized_inputs.add(a)
+            out_nodes.append(onnx.helper.make_node(
+                "DynamicQuantizeLinear", [a], [a + "_quantized", a + "_scale",
+                                              a + "_zero_point"], a + "_QuantizeLinear"))
+        weights.setdefault(b, b + "_quantized")
+        name = node.name + "_quant" if node.name else ""
+        product = node.output[0] + "_output_quantized"
+        scales = (name + "_scales_mul") if name else f"{a}_scale_{b}_scale_mul"
+        out_nodes += [
+            onnx.helper.make_node("MatMulInteger", [a + "_quantized", b + "_quantized",
+                                                    a + "_zero_point", b + "_zero_point"],
+                                  [product], name),
+            onnx.helper.make_node("Cast", [product], [product + "_cast_output"],
+                                  product + "_cast", to=onnx.TensorProto.FLOAT),
+            onnx.helper.make_node("Mul", [a + "_scale", b + "_scale"], [scales + ":0"], scales),
+            onnx.helper.make_node("Mul", [product + "_cast_output", scales + ":0"],
+                                  list(node.output), name + "_output_scale_mul" if name else ""),
+        ]
+    used = {name for node in out_nodes for name in node.input}
+    # Out of the graph file when large: a graph saved with its tensors inside is held
+    # (and copied by protobuf) whole when written.
+    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer) \
+        or src.stat().st_size > EXTERNAL_OVER
+    writer = DataWriter(dst.with_name(dst.name + ".data") if external else None)
+    kept: list[Any] = []
+    try:
+        for name, tensor in initializers.items():
+            if name in used:  # a float tensor still read (biases, norms, tables)
+                kept.append(_copy(tensor, source, writer))
+        for i, (weight, q_name) in enumerate(weights.items()):
+            if say is not None and external:
+                say(f"  {src.name}: {i + 1}/{len(weights)} {weight}")
+            w = source.read(initializers[transposed[weight]]).T if weight in transposed \
+                else source.read(initializers[weight])
+            values, scale = quantize_columns(w)
+            del w
+            kept += [writer.put(q_name, values), writer.put(weight + "_scale", scale),
+                     writer.put(weight + "_zero_point", np.zeros(scale.shape, np.int8))]
+    finally:
+        writer.close()
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    del graph.node[:]
+    graph.node.extend(out_nodes)
+    onnx.save_model(proto, str(dst))
+
+
+def _copy(tensor: Any, source: TensorSource, writer: DataWriter) -> Any:
+    """A float initialiser as it is, its bytes moved to the output's data file in chunks."""
+    import onnx
+
+    if tensor.data_location != onnx.TensorProto.EXTERNAL or writer.file is None:
+        return writer.put(tensor.name, source.read(tensor))
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    return writer.put_chunks(tensor.name, dtype, tuple(tensor.dims),
+                             _chunks(source.graph_dir / info["location"],
+                                     int(info.get("offset", 0)), int(info["length"])))
+
+
+def _chunks(path: Path, offset: int, length: int, size: int = 64 << 20) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        f.seek(offset)
+        while length > 0:
+            piece = f.read(min(size, length))
+            if not piece:
+                raise OSError(f"{path} ends before its tensors do")
+            length -= len(piece)
+            yield piece
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m qvld.modeltools.onnx_int8 SRC DST``: one graph (for measuring)."""
+    args = sys.argv[1:] if argv is None else argv
+    quantize_graph(Path(args[0]), Path(args[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
