@@ -403,7 +403,7 @@ def cmd_model_hub(args: argparse.Namespace) -> int:
         return EXIT_OK
     name = args.name if args.revision is None else f"{args.name}@{args.revision}"
     try:
-        path = pull.pull(name, args.dir, check=not args.no_check)
+        path = pull.pull(name, args.dir, check=not args.no_check, convert=not args.no_convert)
     except pull.PullError as exc:
         warn(str(exc))
         return EXIT_REFUSED
@@ -545,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
     mpull.add_argument("--revision", help="a branch, tag or commit (default: main)")
     mpull.add_argument("--no-check", dest="no_check", action="store_true",
                        help="do not load the model to answer one question afterwards")
+    mpull.add_argument("--no-convert", dest="no_convert", action="store_true",
+                       help="refuse a transformers checkpoint instead of converting it "
+                            "(converting needs the convert extra)")
     mlist = msub.add_parser("list", help="the models pulled: where, how big, from where")
     mlist.add_argument("--dir", type=Path, help="the models directory to list")
     mlist.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -204,9 +204,11 @@ def test_a_checkpoint_or_an_unknown_name_is_refused_with_what_to_do(
                   "model.safetensors": b"\0" * 20_000}
     hub = LocalHub(checkpoint)
     hubs.append(hub)
-    out = qvlctl(hub, tmp_path, "pull", REPO)
+    # Refused with what converts it (--no-convert: as without the convert extra).
+    out = qvlctl(hub, tmp_path, "pull", REPO, "--no-convert")
     assert out.returncode == 4
-    assert f"qvlctl model convert {REPO} DIR" in out.stderr
+    assert f"qvlctl model convert {REPO} DIR" in out.stderr and "convert extra" in out.stderr
+    assert not (tmp_path / "models" / "org--tiny-ov").exists()
     unknown = qvlctl(hub, tmp_path, "pull", "tiny")
     assert unknown.returncode == 4 and "qwen3-vl-2b" in unknown.stderr
     missing = qvlctl(hub, tmp_path, "pull", "org/none")

@@ -8,8 +8,9 @@ Every file is then checked against what the hub says of it (its size, and the sh
 a large file or the git blob id of a small one); only then is the directory renamed into
 place, with ``qvld-pull.json`` recording where it came from, and loaded once to answer a
 question, as ``convert`` does. A half-downloaded or mismatched model is never served. A
-repository that holds a transformers checkpoint instead is refused with the command
-that converts it.
+repository that holds a transformers checkpoint instead is downloaded the same way and
+converted (``qvlctl model convert``'s defaults: int8 weights) where the ``convert``
+extra is installed, and otherwise refused with the command that converts it.
 
 ``list`` shows the models pulled under the models directory (``DIR`` defaults to
 ``$QVLD_MODELS``, else ``/var/lib/qvld/models`` for root and
@@ -50,6 +51,17 @@ NEEDED = ("config.json", "tokenizer.json", "openvino_language_model.xml",
 
 class PullError(Exception):
     """A pull refused or failed: the message says why and what to do."""
+
+
+class CheckpointRepository(PullError):
+    """The repository holds a transformers checkpoint, not an OpenVINO export."""
+
+
+def can_convert() -> bool:
+    """Whether the ``convert`` extra (torch, optimum-intel) is installed here."""
+    from importlib.util import find_spec
+
+    return all(find_spec(name) is not None for name in ("torch", "optimum"))
 
 
 @dataclass
@@ -142,9 +154,10 @@ def wanted(files: list[HubFile], repo: str) -> list[HubFile]:
     names = {f.name for f in files}
     if not all(n in names for n in NEEDED):
         if "config.json" in names and any(n.endswith(".safetensors") for n in names):
-            raise PullError(f"{repo} holds a transformers checkpoint, not an OpenVINO "
-                            f"export: `qvlctl model convert {repo} DIR` converts it (needs "
-                            "the convert extra: pip install 'qvld[convert]')")
+            raise CheckpointRepository(
+                f"{repo} holds a transformers checkpoint, not an OpenVINO export: "
+                f"`qvlctl model convert {repo} DIR` converts it, and `pull` does so itself "
+                "where the convert extra is installed (pip install 'qvld[convert]')")
         missing = ", ".join(n for n in NEEDED if n not in names)
         raise PullError(f"{repo} is not an OpenVINO export of Qwen3-VL (no {missing})")
     # Top-level files only: READMEs' pictures and other exports' subfolders are not read.
@@ -152,14 +165,20 @@ def wanted(files: list[HubFile], repo: str) -> list[HubFile]:
 
 
 def pull(name: str, dst: Path | None = None, check: bool = True,
-         out: Any = sys.stderr) -> Path:
+         out: Any = sys.stderr, convert: bool = True) -> Path:
     """Download ``name`` into ``dst`` (default: the models directory), checked, renamed
-    into place, then loaded once. Returns the directory."""
-    from huggingface_hub import hf_hub_download
-
+    into place, then loaded once. Returns the directory. A checkpoint repository is
+    converted when ``convert`` and the extra allow, else refused."""
     repo, revision = resolve_name(name)
     commit, files = hub_files(repo, revision)
-    files = wanted(files, repo)
+    checkpoint = False
+    try:
+        files = wanted(files, repo)
+    except CheckpointRepository:
+        if not (convert and can_convert()):
+            raise
+        checkpoint = True
+        files = [f for f in files if "/" not in f.name and not f.name.startswith(".")]
     if dst is None:
         dst = models_dir() / repo.replace("/", "--")
     record = dst / RECORD
@@ -168,33 +187,64 @@ def pull(name: str, dst: Path | None = None, check: bool = True,
             print(f"{dst}: {repo}@{commit[:12]} already pulled", file=out)
             return dst
         raise PullError(f"{dst} exists: remove it, or pull into another directory")
-    staging = dst.with_name(f"{dst.name}.partial-{commit[:12]}")
+    kind = "checkpoint" if checkpoint else "partial"
+    staging = dst.with_name(f"{dst.name}.{kind}-{commit[:12]}")
     staging.mkdir(parents=True, exist_ok=True)
     total = sum(f.size or 0 for f in files)
     print(f"pulling {repo}@{commit[:12]} ({len(files)} files, {total / 1e6:.1f} MB) "
-          f"into {dst}", file=out)
+          f"into {staging if checkpoint else dst}", file=out)
     t0 = time.monotonic()
-    for f in files:
-        # Resumed from ``staging`` (its .cache keeps what each file was): a range
-        # request for the rest of a file cut short.
-        path = Path(hf_hub_download(repo, f.name, revision=commit, local_dir=staging))
-        why = mismatch(path, f)
-        if why is not None:
-            path.unlink()
-            raise PullError(f"{f.name} from {repo} is not what the hub describes ({why}): "
-                            "removed; nothing was put in place")
-    shutil.rmtree(staging / ".cache", ignore_errors=True)
-    (staging / RECORD).write_text(json.dumps({
-        "repository": repo, "revision": revision, "commit": commit,
-        "endpoint": _endpoint(), "pulled": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "files": {f.name: f.sha256 or f.blob_id for f in files}}, indent=1) + "\n")
+    download(repo, commit, files, staging)
+    print(f"{staging if checkpoint else dst}: {len(files)} files checked "
+          f"({time.monotonic() - t0:.1f} s)", file=out)
+    source = {"repository": repo, "revision": revision, "commit": commit,
+              "endpoint": _endpoint(),
+              "pulled": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "files": {f.name: f.sha256 or f.blob_id for f in files}}
+    if checkpoint:
+        return _converted(staging, dst, source, out)
+    (staging / RECORD).write_text(json.dumps(source, indent=1) + "\n")
     os.rename(staging, dst)
-    print(f"{dst}: {len(files)} files checked ({time.monotonic() - t0:.1f} s)", file=out)
     if check:
         from qvld.modeltools.convert import check_serves
 
         answer = check_serves(dst)
         print(f"{dst}: loads and answers ({answer[:40]!r})", file=out)
+    return dst
+
+
+def download(repo: str, commit: str, files: list[HubFile], into: Path) -> None:
+    """Each file of ``repo`` at ``commit`` into ``into``, checked against the hub's size
+    and hash (a mismatched file is removed and the pull refused)."""
+    from huggingface_hub import hf_hub_download
+
+    for f in files:
+        # Resumed from ``into`` (its .cache keeps what each file was): a range
+        # request for the rest of a file cut short.
+        path = Path(hf_hub_download(repo, f.name, revision=commit, local_dir=into))
+        why = mismatch(path, f)
+        if why is not None:
+            path.unlink()
+            raise PullError(f"{f.name} from {repo} is not what the hub describes ({why}): "
+                            "removed; nothing was put in place")
+    shutil.rmtree(into / ".cache", ignore_errors=True)
+
+
+def _converted(checkpoint: Path, dst: Path, source: dict[str, Any], out: Any) -> Path:
+    """The checkpoint downloaded into ``checkpoint`` converted into ``dst`` as ``qvlctl
+    model convert`` does (its default recipe; checked to answer before it is renamed
+    into place); the checkpoint is removed once converted."""
+    from qvld.modeltools.convert import Recipe, convert
+
+    recipe = Recipe()
+    print(f"{source['repository']} is a transformers checkpoint: converting it "
+          f"({recipe.describe()} weights)", file=out)
+    if convert(str(checkpoint), dst, recipe) != 0:
+        raise PullError(f"converting {source['repository']} failed; the checkpoint stays "
+                        f"in {checkpoint} (a second pull resumes from it)")
+    (dst / RECORD).write_text(json.dumps({**source, "converted": recipe.describe()},
+                                         indent=1) + "\n")
+    shutil.rmtree(checkpoint, ignore_errors=True)
     return dst
 
 
@@ -217,7 +267,8 @@ def listing(root: Path | None = None) -> list[dict[str, Any]]:
     where each was pulled from."""
     root = root or models_dir()
     rows = []
-    found = sorted(p for p in root.glob("*") if p.is_dir() and ".partial-" not in p.name)
+    found = sorted(p for p in root.glob("*") if p.is_dir() and ".partial-" not in p.name
+                   and ".checkpoint-" not in p.name)
     for path in found if root.is_dir() else []:
         record = path / RECORD
         source = json.loads(record.read_text()) if record.is_file() else {}

@@ -170,3 +170,29 @@ def test_export_onnx_into_the_ir_directory_and_serve_the_split(checkpoint: Path,
         assert daemon.stop() == 0
     again = qvlctl("model", "export-onnx", str(checkpoint), str(dst))
     assert again.returncode == 2 and "already holds ONNX graphs" in again.stderr
+
+
+def test_pull_converts_a_checkpoint_repository(checkpoint: Path, tmp_path: Path) -> None:
+    """#48: a repository holding a transformers checkpoint is downloaded, checked, and
+    converted where the convert extra is installed (here), then served."""
+    from tests.test_model_pull import REPO, LocalHub
+    from tests.test_model_pull import qvlctl as pull_qvlctl
+
+    hub = LocalHub({p.name: p.read_bytes() for p in sorted(checkpoint.iterdir())
+                    if p.is_file()})
+    try:
+        out = pull_qvlctl(hub, tmp_path, "pull", REPO)
+        assert out.returncode == 0, out.stderr
+        assert "is a transformers checkpoint: converting it (int8 sym per channel" \
+            in out.stderr
+        dst = tmp_path / "models" / "org--tiny-ov"
+        record = json.loads((dst / "qvld-pull.json").read_text())
+        assert record["repository"] == REPO and record["converted"].startswith("int8")
+        assert (dst / "openvino_language_model.xml").is_file()
+        assert not list((tmp_path / "models").glob("*.checkpoint-*"))  # removed once done
+        listed = json.loads(pull_qvlctl(hub, tmp_path, "list", "--json").stdout)
+        assert [row["name"] for row in listed] == ["org--tiny-ov"]
+        info = qvlctl("model", "info", str(dst), "--json")
+        assert info.returncode == 0 and json.loads(info.stdout)["backend"] == "openvino"
+    finally:
+        hub.stop()
