@@ -3,7 +3,7 @@
 Exit codes: 0 ok; 1 internal error, or the daemon sent a malformed reply; 2 usage
 (also an empty --socket); 3 no daemon answers on the socket, or the connection was
 lost; 4 the request was refused (bad_request, image_invalid, image_too_large, video_invalid,
-prompt_too_long, frame_too_large, unsupported_version); 5 busy or unavailable (retry
+prompt_too_long, session_lost, frame_too_large, unsupported_version); 5 busy or unavailable (retry
 later; also `health` when not ready, and an answer the daemon cut short, e.g. while
 stopping: `ask --json` still prints it); 6 timeout (also `drain` when the admitted
 work outlasts --wait-timeout); 7 forbidden (by the daemon, or the

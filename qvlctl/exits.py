@@ -14,7 +14,7 @@ EXIT_STDOUT_CLOSED = 141  # as a writer killed by SIGPIPE (128 + 13): `qvlctl ..
 EXIT_BY_CODE = {
     "bad_request": EXIT_REFUSED, "image_invalid": EXIT_REFUSED,
     "image_too_large": EXIT_REFUSED, "video_invalid": EXIT_REFUSED,
-    "prompt_too_long": EXIT_REFUSED,
+    "prompt_too_long": EXIT_REFUSED, "session_lost": EXIT_REFUSED,
     "frame_too_large": EXIT_REFUSED, "unsupported_version": EXIT_REFUSED,
     "busy": EXIT_RETRY, "unavailable": EXIT_RETRY, "timeout": EXIT_TIMEOUT,
     "forbidden": EXIT_FORBIDDEN,
