@@ -148,6 +148,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "min_pixels": 8 * 16 * 16,
         "max_pixels": 128 * 16 * 16,
+        # Its own video settings (video_preprocessor_config.json), far from transformers'
+        # class defaults (131 072-786 432 pixels at 2 fps): a model served without them
+        # samples and sizes clips differently (#48).
+        "video": {"size": {"shortest_edge": 8 * 16 * 16, "longest_edge": 96 * 16 * 16},
+                  "fps": 1.0, "min_frames": 2, "max_frames": 16},
         "repetition_penalty": 1.1,
         "init_std": 0.15,
     },
@@ -274,6 +279,12 @@ def save_hf(preset_name: str, hf_dir: Path) -> None:
         image_std=[0.5, 0.5, 0.5],
         size={"shortest_edge": preset["min_pixels"], "longest_edge": preset["max_pixels"]},
     ).save_pretrained(hf_dir)
+    if "video" in preset:
+        (hf_dir / "video_preprocessor_config.json").write_text(json.dumps({
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "patch_size": vis["patch_size"], "temporal_patch_size": vis["temporal_patch_size"],
+            "merge_size": vis["spatial_merge_size"], "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5], **preset["video"]}, indent=2) + "\n")
     ids = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     GenerationConfig(
         bos_token_id=ids[1],
@@ -295,8 +306,12 @@ def export_openvino(hf_dir: Path, out_dir: Path, weight_format: str) -> None:
            "--disable-convert-tokenizer", str(out_dir)]
     env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     subprocess.run(cmd, check=True, env=env)
-    # The exporter copies tokenizer and processor files; keep the template beside them.
+    # The exporter copies tokenizer and processor files; keep the template beside them,
+    # and every processor file the engine reads (as `qvlctl model convert` does).
     shutil.copy(hf_dir / "chat_template.jinja", out_dir / "chat_template.jinja")
+    from qvld.modeltools.convert import copy_side_files
+
+    copy_side_files(hf_dir, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -463,15 +463,19 @@ def build_processor(hf_dir: Path) -> Any:
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    # The video processor's defaults, with the model's own patch sizes (as the image
-    # processor's saved config has them).
-    vision = json.loads((hf_dir / "config.json").read_text())["vision_config"]
+    # The checkpoint's own video settings where it has them, else the video processor's
+    # defaults with the model's own patch sizes (as the image processor's config has them).
+    if (hf_dir / "video_preprocessor_config.json").is_file():
+        video = Qwen3VLVideoProcessor.from_pretrained(hf_dir)
+    else:
+        vision = json.loads((hf_dir / "config.json").read_text())["vision_config"]
+        video = Qwen3VLVideoProcessor(
+            patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
+            merge_size=vision["spatial_merge_size"])
     return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor.from_pretrained(hf_dir),
         tokenizer=AutoTokenizer.from_pretrained(hf_dir),
-        video_processor=Qwen3VLVideoProcessor(
-            patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
-            merge_size=vision["spatial_merge_size"]),
+        video_processor=video,
         chat_template=(hf_dir / "chat_template.jinja").read_text(),
     )
 

@@ -38,7 +38,7 @@ def rebuilt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out = tmp_path_factory.mktemp(preset) / "model"
         subprocess.run(
             [sys.executable, str(ROOT / "tools" / "make_test_model.py"), preset, str(out),
-             "--reference", "--onnx"],
+             "--reference", "--onnx", "--keep-hf"],
             check=True, capture_output=True,
         )
         models[preset] = out
@@ -82,6 +82,45 @@ def test_rebuilt_model_matches_transformers_exactly(rebuilt: dict[str, Path],
                 max_tokens=turn["max_new_tokens"], session=session["name"]))
             assert result.usage.prompt_tokens == len(turn["input_ids"]), session["name"]
             assert result.token_ids == turn["token_ids"], session["name"]
+
+
+def test_a_converted_model_samples_clips_with_its_own_video_settings(
+        rebuilt: dict[str, Path], tmp_path: Path) -> None:
+    """#48: `qvlctl model convert` left video_preprocessor_config.json behind, so clips
+    were sampled and sized with transformers' class defaults. tiny-alt's checkpoint has
+    its own settings: converted, it gives transformers' prompt and greedy ids on every
+    clip; without that file the prompts differ (the case can tell)."""
+    import shutil
+
+    path = rebuilt["tiny-alt"]
+    reference = load_reference(path)
+    converted = tmp_path / "converted"
+    out = subprocess.run([sys.executable, "-m", "qvlctl.cli", "model", "convert",
+                          str(path / "hf"), str(converted), "--weights", "fp32"],
+                         capture_output=True, text=True, timeout=900, check=False)
+    assert out.returncode == 0, out.stderr
+    assert (converted / "video_preprocessor_config.json").is_file()
+    shutil.copytree(path / "images", converted / "images")
+    engine = Engine(parity_config(converted, prefill_chunk=64))
+    assert reference["video_cases"]
+    for case in reference["video_cases"]:
+        request = GenerateRequest(messages=with_image_bytes(case["messages"], converted),
+                                  max_tokens=case["max_new_tokens"], temperature=0.0,
+                                  template_kwargs=case.get("template_kwargs"))
+        ids, *_ = engine.tokenize(request)
+        assert ids == case["input_ids"], case["name"]
+        assert engine.generate(request).token_ids == case["token_ids"], case["name"]
+    engine.close()
+    (converted / "video_preprocessor_config.json").unlink()
+    defaults = Engine(parity_config(converted, prefill_chunk=64))
+    try:
+        differ = [case["name"] for case in reference["video_cases"]
+                  if defaults.tokenize(GenerateRequest(
+                      messages=with_image_bytes(case["messages"], converted), max_tokens=1,
+                      template_kwargs=case.get("template_kwargs")))[0] != case["input_ids"]]
+        assert differ, "the class defaults give the same prompts: the case tells nothing"
+    finally:
+        defaults.close()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
