@@ -52,7 +52,7 @@ browser:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
 
 test-reference: $(CONVERT)
-	$(PYTEST) -m reference
+	$(PYTEST) $(XDIST) -m reference
 
 lint: $(BASE)
 	$(BIN)/ruff check qvld qvlctl tests tools bench
