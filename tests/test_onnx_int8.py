@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 
 from qvld.engine.model.model_dir import SUBMODELS, onnx_path
 from qvld.modeltools.onnx_int8 import quantize_columns, quantize_graph
 from tests.conftest import TINY
 
-onnx = pytest.importorskip("onnx")
-ort = pytest.importorskip("onnxruntime")
 # Sizes for the graphs' named dynamic axes (a 4-patch merge block, 2 cached rows).
 AXES = {"batch": 1, "seq": 3, "past": 2, "total": 5, "visual_rows": 1, "patches": 16,
         "tokens": 4}

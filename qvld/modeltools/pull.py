@@ -160,7 +160,11 @@ def wanted(files: list[HubFile], repo: str) -> list[HubFile]:
                 "where the convert extra is installed (pip install 'qvld[convert]')")
         missing = ", ".join(n for n in NEEDED if n not in names)
         raise PullError(f"{repo} is not an OpenVINO export of Qwen3-VL (no {missing})")
-    # Top-level files only: READMEs' pictures and other exports' subfolders are not read.
+    return top_level(files)
+
+
+def top_level(files: list[HubFile]) -> list[HubFile]:
+    """Top-level files only: READMEs' pictures and other exports' subfolders are not read."""
     return [f for f in files if "/" not in f.name and not f.name.startswith(".")]
 
 
@@ -178,7 +182,7 @@ def pull(name: str, dst: Path | None = None, check: bool = True,
         if not (convert and can_convert()):
             raise
         checkpoint = True
-        files = [f for f in files if "/" not in f.name and not f.name.startswith(".")]
+        files = top_level(files)
     if dst is None:
         dst = models_dir() / repo.replace("/", "--")
     record = dst / RECORD

@@ -391,8 +391,6 @@ async function showList() {
                                        (t.answer || "").toLowerCase().includes(query)));
   list.replaceChildren(...shown.map(listItem));
   $("no-conversations").hidden = all.length > 0;
-  $("no-conversations").textContent = all.length ? "" :
-    "None yet: your questions are kept here, in this browser.";
   if (all.length && !shown.length) {
     list.append(el("li", "muted", "No conversation has those words."));
   }
