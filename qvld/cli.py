@@ -105,7 +105,7 @@ def config_source(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
 
 
 def check_config(config: Config) -> int:
-    from qvld.engine.model.model_dir import load_model_spec, processor_settings
+    from qvld.engine.model.model_dir import load_model_spec, processor_settings, resolve_backend
     from qvld.errors import ModelInvalid
     from qvld.http.server import HttpSetupError, load_http
 
@@ -118,12 +118,14 @@ def check_config(config: Config) -> int:
     if config.model.path is None:
         print("qvld: configuration is valid, but model.path is not set", file=sys.stderr)
         return EXIT_CONFIG
+    backend, why = resolve_backend(config.model)
     try:
-        spec = load_model_spec(config.model.path, config.model.backend)
+        spec = load_model_spec(config.model.path, backend)
     except ModelInvalid as exc:
         print(f"qvld: model: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     print(f"configuration is valid; model {spec.name} at {spec.path}")
+    print(f"runtime: {backend} ({why})")
     print("pictures and clips are processed with:")
     for key, value, source in processor_settings(spec.path):
         print(f"  {key:<28} {value!s:<20} from {source}")

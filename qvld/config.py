@@ -62,8 +62,11 @@ class ModelConfig(_Section):
     path: Path | None = None
     device: Literal["CPU"] = "CPU"
     # openvino (openvino_*.xml from `qvlctl model convert`) or onnxruntime
-    # (onnx_*.onnx from `qvlctl model export-onnx`; needs the onnxruntime extra).
-    backend: Literal["openvino", "onnxruntime"] = "openvino"
+    # (onnx_*.onnx from `qvlctl model export-onnx`; needs the onnxruntime extra). auto:
+    # the runtime whose graphs the directory holds; with both, onnxruntime for
+    # everything where its graphs have int8 weights and the CPU has no VNNI or AMX
+    # (one copy of the weights; its integer kernels prefill and decode faster there).
+    backend: Literal["auto", "openvino", "onnxruntime"] = "auto"
     # What encodes images and prefills prompts for the openvino backend (which decodes):
     # auto is onnxruntime where the directory also holds int8 ONNX graphs (`qvlctl model
     # export-onnx CHECKPOINT DIR --weights int8`) and onnxruntime is installed (its int8

@@ -156,11 +156,18 @@ def model_bytes(config: Config) -> int:
     if path is None or not path.is_dir():
         return 0
     # The weight files the backend reads: IR .bin files, or ONNX graphs and their data.
-    pattern = "onnx_*.onnx*" if config.model.backend == "onnxruntime" else "openvino_*.bin"
+    pattern = "onnx_*.onnx*" if backend_of(config) == "onnxruntime" else "openvino_*.bin"
     return sum(p.stat().st_size for p in path.glob(pattern))
 
 
 PREPARE_THREADS = 2  # the daemon's prepare stage (app.py)
+
+
+def backend_of(config: Config) -> str:
+    """The runtime the daemon will run (``model.backend``, auto resolved as it will)."""
+    from qvld.engine.model.model_dir import resolve_backend
+
+    return resolve_backend(config.model)[0]
 
 
 def video_bytes(config: Config) -> int:
@@ -233,7 +240,7 @@ def check_python(system: System, config: Config) -> Check:
     """The configured backend's runtime is installed, by its package metadata: the check
     never loads a runtime (with the ONNX backend, the daemon never loads OpenVINO)."""
     version = ".".join(map(str, sys.version_info[:3]))
-    name, why, remedy = RUNTIMES[config.model.backend]
+    name, why, remedy = RUNTIMES[backend_of(config)]
     try:
         if importlib.util.find_spec(name) is None:
             raise importlib.metadata.PackageNotFoundError(name)
@@ -266,7 +273,7 @@ def check_model(system: System, config: Config) -> Check:
     if path is None:
         return Check("model", FAIL, "model.path is not set", "there is nothing to serve",
                      "set model.path (or qvld --model DIR)")
-    backend = config.model.backend
+    backend = backend_of(config)
     graph, command = GRAPHS[backend]
     try:
         spec = load_model_spec(path, backend)

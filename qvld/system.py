@@ -36,9 +36,9 @@ class System:
     # -- derived facts ------------------------------------------------------------------
 
     def cpu_flags(self) -> set[str]:
-        text = self.read("/proc/cpuinfo") or ""
-        match = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
-        return set(match.group(1).split()) if match else set()
+        from qvld.engine.model.model_dir import cpu_flags
+
+        return cpu_flags(self.read("/proc/cpuinfo") or "")
 
     def cpu_model(self) -> str:
         match = re.search(r"^model name\s*:\s*(.*)$", self.read("/proc/cpuinfo") or "",

@@ -62,7 +62,12 @@ from qvld.engine.loop.sequence import Arrival
 from qvld.engine.loop.step_loop import StepLoop
 from qvld.engine.model.backend import SlotPool, load_models, release_file_pages
 from qvld.engine.model.interface import RowsSlot
-from qvld.engine.model.model_dir import VIDEO_CONFIG, ModelSpec, load_model_spec
+from qvld.engine.model.model_dir import (
+    VIDEO_CONFIG,
+    ModelSpec,
+    load_model_spec,
+    resolve_backend,
+)
 from qvld.engine.model.tokenizer import ChatTemplate, TextTokenizer
 from qvld.engine.runners import Generation, LoopRunner, Ran, RunJob
 from qvld.engine.types import (
@@ -130,14 +135,20 @@ class Engine:
         """Load and compile ``config.model``. ``on_step(sequences, prefill_rows)`` is
         called after every step of the step loop, ``on_prefill(runtime, rows)`` whenever
         a runtime computed prompt rows (both on the step thread; not during ``warmup``)."""
-        if config.model.path is None:
+        path = config.model.path
+        if path is None:
             raise ModelInvalid("model.path is not set")
+        backend, why = resolve_backend(config.model)
+        if backend != config.model.backend:  # auto: the runtime it chose, from here on
+            log.info("model.backend auto: %s (%s)", backend, why)
+            config = config.model_copy(
+                update={"model": config.model.model_copy(update={"backend": backend})})
         self.config = config
         t0 = time.perf_counter()
-        self.spec: ModelSpec = load_model_spec(config.model.path, config.model.backend)
-        self.tokenizer = TextTokenizer(config.model.path / "tokenizer.json")
+        self.spec: ModelSpec = load_model_spec(path, config.model.backend)
+        self.tokenizer = TextTokenizer(path / "tokenizer.json")
         self.template = ChatTemplate(self.spec.chat_template, self.spec.special_tokens)
-        if not (config.model.path / VIDEO_CONFIG).is_file():
+        if not (path / VIDEO_CONFIG).is_file():
             log.warning("%s has no %s: clips are sampled with transformers' defaults (fps "
                         "%g, %d-%d frames, %d-%d pixels in all), not the model's own; "
                         "copy the checkpoint's file beside the graphs", config.model.path,
@@ -190,7 +201,7 @@ class Engine:
                                      context_set_by=self.context_set_by,
                                      video_max_tokens=config.model.video_max_tokens)
         # Structured output: compiled on threads of its own, beside images and prefill.
-        self.grammars = GrammarCompiler(config.model.path / "tokenizer.json",
+        self.grammars = GrammarCompiler(path / "tokenizer.json",
                                         self.spec.vocab_size,
                                         self.spec.generation.eos_token_ids,
                                         cache_size=config.engine.grammar_cache_size)

@@ -26,9 +26,11 @@ CASES = {c["name"]: c for c in REFERENCE["cases"]}
 
 
 def config(path: Path = TINY, **model: Any) -> Config:
-    # f32 compute and an f32 KV cache: the parity the reference tier holds everywhere.
+    # f32 compute and an f32 KV cache: the parity the reference tier holds everywhere;
+    # OpenVINO decoding, whatever model.backend auto would choose on this CPU.
     return Config.model_validate({
-        "model": {"path": str(path), "prompt_backend": "onnxruntime", "precision": "f32",
+        "model": {"path": str(path), "backend": "openvino", "prompt_backend": "onnxruntime",
+                  "precision": "f32",
                   "kv_cache_precision": "f32", **model},
         "engine": {"infer_requests": 2, "prefill_chunk": 64}})
 
@@ -245,7 +247,8 @@ def test_auto_takes_int8_graphs_and_leaves_float_ones(tmp_path: Path) -> None:
     assert len(ask(int8, CASES["image_photo"]).token_ids) == CASES["image_photo"][
         "max_new_tokens"]
     alone = Engine(Config.model_validate({
-        "model": {"path": str(model)}, "engine": {"continuous_batching": False}}))
+        "model": {"path": str(model), "backend": "openvino"},
+        "engine": {"continuous_batching": False}}))
     assert alone.models.prompt is None  # rows go into a paged cache only
 
 
@@ -333,3 +336,58 @@ def test_a_prompt_prefilled_elsewhere_waits_for_its_compile_without_holding_a_sl
         slow.set()
     result = gen.future.result(60)
     assert json.loads(result.text)["late"] in (True, False)
+
+
+AVX2 = {"avx2", "fma", "f16c"}  # this project's usual AMD EPYC: no int8 dot products
+
+
+def int8_directory(tmp_path: Path) -> Path:
+    model = tmp_path / "tiny-int8"
+    shutil.copytree(TINY, model)
+    quantize_int8(model)
+    return model
+
+
+def test_auto_runs_everything_on_onnxruntime_only_where_openvino_lacks_int8_dot_products(
+        tmp_path: Path) -> None:
+    from qvld.engine.model.model_dir import choose_backend
+
+    model = int8_directory(tmp_path)
+    assert choose_backend(model, "auto", AVX2, True)[0] == "onnxruntime"
+    for flags in ({"avx2", "avx_vnni"}, {"avx512f", "avx512_vnni"}, {"amx_int8", "avx512f"}):
+        runtime, why = choose_backend(model, "auto", flags, True)
+        assert runtime == "openvino" and "dot products" in why, flags
+    # Float graphs are no faster than the IR; without onnxruntime there is no choice;
+    # an explicit split (prompts on ONNX Runtime) means OpenVINO decodes.
+    assert choose_backend(TINY, "auto", AVX2, True) == (
+        "openvino", "its ONNX graphs have float weights (no faster than the IR)")
+    assert choose_backend(model, "auto", AVX2, False)[0] == "openvino"
+    assert choose_backend(model, "auto", AVX2, True, prompt_backend="onnxruntime")[0] == \
+        "openvino"
+    assert choose_backend(model, "openvino", AVX2, True)[0] == "openvino"
+    # A directory with one runtime's graphs runs on that runtime.
+    ir_only = tmp_path / "ir-only"
+    shutil.copytree(model, ir_only, ignore=shutil.ignore_patterns("onnx_*"))
+    onnx_only = tmp_path / "onnx-only"
+    shutil.copytree(model, onnx_only, ignore=shutil.ignore_patterns("openvino_*"))
+    assert choose_backend(ir_only, "auto", AVX2, True)[0] == "openvino"
+    assert choose_backend(onnx_only, "auto", {"amx_int8"}, True)[0] == "onnxruntime"
+
+
+def test_the_engine_and_check_config_run_what_auto_chooses_on_this_cpu(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qvld.cli import main
+    from qvld.engine.model.model_dir import choose_backend
+    from qvld.system import System
+
+    model = int8_directory(tmp_path)
+    expected, why = choose_backend(model, "auto", System().cpu_flags(), True)
+    engine = Engine(Config.model_validate({"model": {"path": str(model)}}))
+    assert engine.models.runtime == expected and engine.config.model.backend == expected
+    assert engine.models.prompt is None if expected == "onnxruntime" else True
+    answer = ask(engine, CASES["image_photo"])
+    assert len(answer.token_ids) == CASES["image_photo"]["max_new_tokens"]
+    config = tmp_path / "qvld.yaml"
+    config.write_text(f"model:\n  path: {model}\n")
+    assert main(["check-config", "--config", str(config)]) == 0
+    assert f"runtime: {expected} ({why})" in capsys.readouterr().out

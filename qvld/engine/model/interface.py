@@ -66,6 +66,19 @@ class RowsSlot(Slot, Protocol):
         valid until the next ``step``, ``trim`` or ``reset``."""
 
 
+class BatchSlot(RowsSlot, Protocol):
+    """A slot whose cache holds several sequences side by side (``load_rows`` with
+    ``[sequences, heads, rows, head_dim]`` arrays) and steps them in one inference: the
+    decode lane of ``slot_paged.SlotPaged`` (ONNX Runtime's graphs take the KV cache
+    as batched inputs)."""
+
+    def step_batch(self, embeds: np.ndarray, positions: np.ndarray,
+                   attention_mask: np.ndarray) -> np.ndarray:
+        """One new row per sequence: ``embeds`` [B,1,H], ``positions`` [3,B,1],
+        ``attention_mask`` [B, past_len + 1] (0 where a column is padding). Returns the
+        logits [B,V] (a copy); the cache grows by one column."""
+
+
 class SlotBase:
     """What every backend's slot keeps beside its KV cache, and how it is cut back.
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qvld.errors import ModelInvalid
+
+if TYPE_CHECKING:
+    from qvld.config import ModelConfig
 
 SUBMODELS = (
     "language_model",
@@ -180,6 +185,65 @@ GRAPHS = {
     "openvino": (ir_path, "qvlctl model convert"),
     "onnxruntime": (onnx_path, "qvlctl model export-onnx"),
 }
+
+# CPU flags with which OpenVINO's CPU plugin multiplies int8 weights by quantised
+# activations (its dynamic quantisation). Without any of them it decompresses int8
+# weights and multiplies in f32, where ONNX Runtime's u8 x s8 kernels (any AVX2 CPU)
+# prefill in half the time and decode a batch of sequences for little more than one.
+INT8_DOT_PRODUCTS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags, from ``cpuinfo`` (/proc/cpuinfo's text; read when None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    match = re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
+def resolve_backend(model: ModelConfig) -> tuple[str, str]:
+    """``choose_backend`` for ``model`` on this machine's CPU (imports no runtime)."""
+    if model.path is None or model.backend != "auto":
+        return ("openvino" if model.backend == "auto" else model.backend,
+                "model.backend names it")
+    return choose_backend(model.path, model.backend, cpu_flags(),
+                          importlib.util.find_spec("onnxruntime") is not None,
+                          model.prompt_backend)
+
+
+def choose_backend(path: Path, backend: str, cpu_flags: set[str],
+                   onnxruntime_installed: bool, prompt_backend: str = "auto"
+                   ) -> tuple[str, str]:
+    """The runtime ``model.backend`` resolves to for the directory ``path`` on a CPU with
+    ``cpu_flags``, and why (for the log and ``qvld --check``). ``auto``: the runtime
+    whose graphs the directory holds; with both, ONNX Runtime for everything where its
+    graphs have int8 weights and the CPU has no int8 dot products OpenVINO uses (one
+    copy of the weights, measured faster there: BENCHMARKS.md, "Memory"), else
+    OpenVINO (which may still prefill on ONNX Runtime: ``model.prompt_backend``)."""
+    if backend != "auto":
+        return backend, "model.backend names it"
+    onnx = all(onnx_path(path, sub).is_file() for sub in SUBMODELS)
+    ir = all(ir_path(path, sub).is_file() for sub in SUBMODELS)
+    some_ir = any(ir_path(path, sub).is_file() for sub in SUBMODELS)
+    if not onnx or (some_ir and not ir):  # an incomplete IR is reported, not passed over
+        return "openvino", "the directory holds no complete set of ONNX graphs"
+    if not some_ir:
+        return "onnxruntime", "the directory holds ONNX graphs and no OpenVINO IR"
+    if prompt_backend == "onnxruntime":
+        return "openvino", "model.prompt_backend asks for ONNX Runtime beside OpenVINO"
+    if onnx_weights(onnx_path(path, "language_model")) != "int8":
+        return "openvino", "its ONNX graphs have float weights (no faster than the IR)"
+    if not onnxruntime_installed:
+        return "openvino", "onnxruntime is not installed"
+    dots = sorted(cpu_flags & INT8_DOT_PRODUCTS)
+    if dots:
+        return "openvino", (f"the CPU has {', '.join(dots)}: OpenVINO multiplies its int8 "
+                            "weights with integer dot products")
+    return "onnxruntime", ("int8 ONNX graphs and a CPU without VNNI or AMX: ONNX Runtime's "
+                           "integer kernels prefill and decode, one copy of the weights")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

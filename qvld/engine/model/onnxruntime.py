@@ -132,7 +132,7 @@ class SessionModels:
 
     def new_paged(self, num_blocks: int, slots: int) -> SlotPaged:
         """The step loop's model: ``slots`` slots behind a block store."""
-        return SlotPaged(self.new_slot, slots, num_blocks, self.kv_layout)
+        return SlotPaged(self.new_slot, slots, num_blocks, self.kv_layout, lane=self.new_slot())
 
 
 class _Memory:
@@ -177,6 +177,7 @@ class Slot(SlotBase):
         # alive here: an OrtValue made from numpy does not own its memory).
         self._kv: list[ort.OrtValue] = []
         self._kv_arrays: list[np.ndarray] = []
+        self._logits_value: ort.OrtValue | None = None
         self.reset()
 
     def _run(self, session: ort.InferenceSession, inputs: dict[str, np.ndarray]) -> list[Any]:
@@ -209,16 +210,33 @@ class Slot(SlotBase):
     def step(self, embeds: np.ndarray, positions: np.ndarray, visual_mask: np.ndarray,
              deepstack: np.ndarray) -> np.ndarray:
         seq = embeds.shape[0]
-        total = self.past_len + seq
+        logits = self._infer(embeds.reshape(1, seq, -1),
+                             self._attention_mask(self.past_len + seq),
+                             positions.reshape(3, 1, seq), visual_mask.reshape(1, seq), deepstack)
+        return self._keep_logits(logits[0])
+
+    def step_batch(self, embeds: np.ndarray, positions: np.ndarray,
+                   attention_mask: np.ndarray) -> np.ndarray:
+        """``BatchSlot.step_batch``: B sequences' next rows over the batched cache."""
+        batch, seq = embeds.shape[0], embeds.shape[1]
+        logits = self._infer(embeds, attention_mask, positions, np.zeros((batch, seq), bool),
+                             self._no_deepstack)
+        return np.array(logits)
+
+    def _infer(self, embeds: np.ndarray, attention_mask: np.ndarray, positions: np.ndarray,
+               visual_mask: np.ndarray, deepstack: np.ndarray) -> np.ndarray:
+        """The language model over the cache: ``embeds`` [B,S,H] -> the last rows'
+        logits [B,V] (a view of the output, valid until the next call)."""
+        seq = embeds.shape[1]
         binding = self._binding
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
         # Held in a local until the run returns: the binding may point into them.
         inputs = {
-            "inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32).reshape(1, seq, -1),
-            "attention_mask": self._attention_mask(total),
-            "position_ids": np.ascontiguousarray(positions, dtype=np.int64).reshape(3, 1, seq),
-            "visual_pos_masks": np.ascontiguousarray(visual_mask, dtype=bool).reshape(1, seq),
+            "inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32),
+            "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
+            "position_ids": np.ascontiguousarray(positions, dtype=np.int64),
+            "visual_pos_masks": np.ascontiguousarray(visual_mask, dtype=bool),
             "deepstack_visual_embeds": np.ascontiguousarray(deepstack, dtype=np.float32),
         }
         for name, array in inputs.items():
@@ -234,8 +252,9 @@ class Slot(SlotBase):
         # The presents become the cache: the next step binds them as its pasts.
         self._kv = list(outputs[1:])
         self._kv_arrays = []
-        self.past_len = total
-        return self._keep_logits(outputs[0].numpy()[0, -1])
+        self.past_len += seq
+        self._logits_value = outputs[0]  # keeps the view below alive
+        return _view(outputs[0])[:, -1]
 
     def vision_patches(self, patches: np.ndarray) -> np.ndarray:
         rows = np.ascontiguousarray(patches, dtype=np.float32)

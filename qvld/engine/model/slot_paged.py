@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qvld.engine.model.interface import RowsSlot
+from qvld.engine.model.interface import BatchSlot, RowsSlot
 
 # Rows per block: the OpenVINO CPU plugin's paged-attention block size, so that one
 # kv_cache_mb holds about as many rows whichever executor runs.
@@ -55,19 +55,17 @@ class KvLayout:
 
 
 @dataclass(eq=False)
-class _Mirror:
-    """What one slot's KV cache holds: rows [0, length) of the blocks ``blocks`` as
-    they were at ``versions``."""
+class _Held:
+    """What a runtime's cache holds of one sequence: rows [0, length) of the blocks
+    ``blocks`` as they were at ``versions``."""
 
-    slot: RowsSlot
     blocks: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     length: int = 0
-    used: int = 0  # when it last stepped (SlotPaged's step count)
 
     def valid_rows(self, blocks: np.ndarray, rows: int, current: np.ndarray) -> int:
         """How many of a sequence's first ``rows`` rows (its block table ``blocks``) this
-        slot holds as they are now."""
+        cache holds as they are now."""
         held = min(self.length, rows)
         count = -(-held // BLOCK_ROWS)
         for i in range(count):
@@ -76,8 +74,60 @@ class _Mirror:
                 return i * BLOCK_ROWS
         return held
 
+    def holds(self, blocks: np.ndarray, rows: int, current: np.ndarray) -> bool:
+        """Whether this cache holds exactly a sequence's ``rows`` rows, as they are now."""
+        return self.length == rows and self.valid_rows(blocks, rows, current) == rows
+
+    def record(self, blocks: np.ndarray, length: int, current: np.ndarray) -> None:
+        used = -(-length // BLOCK_ROWS)
+        self.blocks = [int(b) for b in blocks[:used]]
+        self.versions = [int(current[b]) for b in self.blocks]
+        self.length = length
+
     def forget(self) -> None:
         self.blocks, self.versions, self.length = [], [], 0
+
+
+class _Mirror(_Held):
+    """One slot's cache: one sequence's rows."""
+
+    def __init__(self, slot: RowsSlot) -> None:
+        super().__init__()
+        self.slot = slot
+        self.used = 0  # when it last stepped (SlotPaged's step count)
+
+
+@dataclass(eq=False)
+class _Lane:
+    """The decode lane: several sequences' caches side by side in one slot's batch
+    (``BatchSlot``), ``[members, heads, width, head dim]`` per cache. Each member's rows
+    are right-aligned: the columns before them are padding its attention-mask row hides,
+    so every new row lands in the same last column for all and no member's rows ever
+    have a hole. Positions are explicit inputs, so the padding moves no rotary angle."""
+
+    slot: BatchSlot
+    members: list[_Held] = field(default_factory=list)
+    mask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+
+    @property
+    def width(self) -> int:
+        return int(self.mask.shape[1])
+
+    def order_of(self, tables: list[np.ndarray], pasts: list[int],
+                 current: np.ndarray) -> list[int] | None:
+        """The member each sequence is (its batch row), or None unless the lane holds
+        exactly these sequences as they are now."""
+        if len(tables) != len(self.members):
+            return None
+        free = set(range(len(self.members)))
+        order = []
+        for blocks, past in zip(tables, pasts, strict=True):
+            row = next((m for m in free if self.members[m].holds(blocks, past, current)), None)
+            if row is None:
+                return None
+            free.discard(row)
+            order.append(row)
+        return order
 
 
 class SlotPaged:
@@ -89,7 +139,10 @@ class SlotPaged:
     rows_accessible = True
 
     def __init__(self, new_slot: Callable[[], RowsSlot], slots: int, num_blocks: int,
-                 layout: KvLayout) -> None:
+                 layout: KvLayout, lane: BatchSlot | None = None) -> None:
+        """``lane``: a slot that steps a batch of sequences at once (``BatchSlot``): every
+        scheduled one-row step then runs in one inference there (one pass over the
+        weights for all decoding sequences), the rest on ``slots`` slots in turn."""
         self.block_size = BLOCK_ROWS
         self.num_blocks = num_blocks
         self.layout = layout
@@ -99,8 +152,10 @@ class SlotPaged:
         self.cache_bytes = sum(cache.nbytes for cache in self._caches)
         self._versions = np.zeros(num_blocks, np.int64)
         self._mirrors = [_Mirror(new_slot()) for _ in range(max(1, slots))]
+        self._lane = None if lane is None else _Lane(lane)
         self.busy_since: float | None = None
         self.reloads = 0  # sequences loaded into a slot from their blocks
+        self.lane_loads = 0  # times the decode lane was filled from the blocks
         self._clock = 0
 
     # -- the block store ------------------------------------------------------------
@@ -182,14 +237,19 @@ class SlotPaged:
               deepstack: np.ndarray, past_lens: np.ndarray, begins: np.ndarray,
               block_begins: np.ndarray, block_indices: np.ndarray) -> np.ndarray:
         count = len(past_lens)
+        tables = [block_indices[block_begins[i]:block_begins[i + 1]] for i in range(count)]
+        rows = np.diff(begins)
+        # One-row steps without image rows (decoding) go to the lane, all in one inference.
+        laned = [] if self._lane is None else [
+            i for i in range(count) if rows[i] == 1 and not visual_mask[begins[i]]]
         # Where each sequence's visual rows start in the packed deepstack.
         visual_before = np.concatenate([[0], np.cumsum(visual_mask)])
         out: np.ndarray | None = None
         taken: set[int] = set()
-        for i in range(count):
+        for i in sorted(set(range(count)) - set(laned)):
             lo, hi = int(begins[i]), int(begins[i + 1])
             past = int(past_lens[i])
-            blocks = block_indices[block_begins[i]:block_begins[i + 1]]
+            blocks = tables[i]
             if len(taken) == len(self._mirrors):
                 taken = set()  # more sequences than slots: slots are reused in turn
             mirror = self._slot_for(blocks, past, taken)
@@ -204,11 +264,62 @@ class SlotPaged:
             out[i] = logits
             total = past + hi - lo
             self.write_rows(blocks, past, mirror.slot.rows_from(past))
-            used = -(-total // BLOCK_ROWS)
-            mirror.blocks = [int(b) for b in blocks[:used]]
-            mirror.versions = [int(self._versions[b]) for b in mirror.blocks]
-            mirror.length = total
+            mirror.record(blocks, total, self._versions)
             self._clock += 1
             mirror.used = self._clock
+        if laned:
+            logits = self._lane_step(laned, embeds, positions, past_lens, begins, tables)
+            if out is None:
+                out = np.empty((count, logits.shape[-1]), np.float32)
+            out[laned] = logits
         assert out is not None, "a step feeds at least one sequence"
         return out
+
+    def _lane_step(self, laned: list[int], embeds: np.ndarray, positions: np.ndarray,
+                   past_lens: np.ndarray, begins: np.ndarray, tables: list[np.ndarray]
+                   ) -> np.ndarray:
+        """One row of each sequence in ``laned``, in one inference on the lane; their
+        logits [len(laned), V] in that order. The lane is refilled from the blocks unless
+        it holds exactly these sequences as their blocks are now."""
+        lane = self._lane
+        assert lane is not None
+        pasts = [int(past_lens[i]) for i in laned]
+        seq_tables = [tables[i] for i in laned]
+        order = lane.order_of(seq_tables, pasts, self._versions)
+        if order is None:
+            self._fill_lane(lane, seq_tables, pasts)
+            order = list(range(len(laned)))
+        width, hidden = lane.width, embeds.shape[1]
+        batch_embeds = np.empty((len(laned), 1, hidden), np.float32)
+        batch_positions = np.empty((positions.shape[0], len(laned), 1), np.int64)
+        for i, row in zip(laned, order, strict=True):
+            batch_embeds[row, 0] = embeds[begins[i]]
+            batch_positions[:, row, 0] = positions[:, begins[i]]
+        lane.mask = np.concatenate([lane.mask, np.ones((len(laned), 1), np.int64)], axis=1)
+        logits = lane.slot.step_batch(batch_embeds, batch_positions, lane.mask)
+        new_rows = lane.slot.rows_from(width)  # [members, heads, 1, head dim] each
+        for blocks, past, row in zip(seq_tables, pasts, order, strict=True):
+            self.write_rows(blocks, past, [cache[row:row + 1] for cache in new_rows])
+        for blocks, past, row in zip(seq_tables, pasts, order, strict=True):
+            lane.members[row].record(blocks, past + 1, self._versions)
+        return logits[order]
+
+    def _fill_lane(self, lane: _Lane, tables: list[np.ndarray], pasts: list[int]) -> None:
+        """Load the lane with these sequences' rows from their blocks, right-aligned."""
+        width = max(pasts)
+        batch = len(pasts)
+        kv = [np.zeros((batch, cache.shape[1], width, cache.shape[3]), np.float32)
+              for cache in self._caches]
+        lane.mask = np.zeros((batch, width), np.int64)
+        lane.members = []
+        for row, (blocks, past) in enumerate(zip(tables, pasts, strict=True)):
+            pad = width - past
+            for block, lo, n, at in self._spans(blocks, 0, past):
+                for cache, rows in zip(self._caches, kv, strict=True):
+                    rows[row, :, pad + at:pad + at + n] = cache[block, :, lo:lo + n]
+            lane.mask[row, pad:] = 1
+            member = _Held()
+            member.record(blocks, past, self._versions)
+            lane.members.append(member)
+        lane.slot.load_rows(kv)
+        self.lane_loads += 1
