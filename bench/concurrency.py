@@ -3,8 +3,12 @@ before) against llama-server (continuous batching, --parallel N+1), on the same 
 checkpoint, in one run.
 
     python bench/concurrency.py MODELS [--clients 1,2,4,8] [--tokens 256] [--size 448]
-                                [--systems qvld,qvld-alone,llama-server] [--json OUT]
+                                [--systems qvld,qvld-alone,qvld-openvino,llama-server]
+                                [--model DIR] [--json OUT]
                                 [--before TREE]  # adds the system qvld@before
+
+``qvld-openvino`` is qvld with ``model.backend: openvino`` (OpenVINO decoding, whatever
+``auto`` chooses for the directory); ``--model`` names qvld's directory under MODELS.
 
 ``--before TREE`` runs TREE's qvld (a git worktree of an earlier commit, e.g. `git
 worktree add /tmp/before d5069b8`) as the system ``qvld@before``, interleaved with the
@@ -144,14 +148,14 @@ def late_arrival(ask: Ask, images: list[bytes], late: bytes, tokens: int) -> flo
 
 @contextmanager
 def qvld(model: Path, batching: bool, clients: int, cache: Path,
-         source: Path | None = None) -> Iterator[Ask]:
+         source: Path | None = None, settings: tuple[str, ...] = ()) -> Iterator[Ask]:
     from qvlctl.client import Client
 
     workdir = Path(tempfile.mkdtemp(prefix="qvld-conc-"))
     sock = workdir / "qvld.sock"
     extra = ["--set", f"engine.infer_requests={clients + 1}",  # room for a late arrival
              "--set", f"engine.continuous_batching={'true' if batching else 'false'}",
-             "--set", "server.queue_max=64"]
+             "--set", "server.queue_max=64", *settings]
     if source is None:  # running generations: its own key since the step scheduler
         extra += ["--set", f"engine.max_sequences={max(8, clients + 1)}"]
     proc, _ = _start_daemon(model, workdir, cache, tuple(extra), source=source)
@@ -267,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="client counts qvld-alone (one generation per infer request, "
                         "the engine before continuous batching) runs at; its extras skipped")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--model", default="qwen3-vl-2b-int8",
+                        help="qvld's model directory under MODELS (qwen3-vl-2b-int8-ir+onnx: "
+                        "the IR plus int8 ONNX graphs)")
     parser.add_argument("--before", type=Path,
                         help="another checkout whose qvld runs as the system qvld@before")
     args = parser.parse_args(argv)
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = args.systems.split(",")
     if args.before is not None and "qvld@before" not in systems:
         systems.insert(1, "qvld@before")
-    model = args.models / "qwen3-vl-2b-int8"
+    model = args.models / args.model
     cache = Path(tempfile.mkdtemp(prefix="qvld-conc-cache-"))
     seed = 0
     rows: list[dict[str, Any]] = []
@@ -284,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             return llama_server(args.models, n)
         if system == "qvld@before":
             return qvld(model, True, n, cache, source=args.before)
+        if system == "qvld-openvino":  # OpenVINO decoding whatever auto would choose
+            return qvld(model, True, n, cache, settings=("--set", "model.backend=openvino"))
         return qvld(model, system == "qvld", n, cache)
 
     alone_counts = {int(n) for n in args.alone_clients.split(",")}

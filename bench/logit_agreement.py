@@ -3,6 +3,7 @@
     python bench/logit_agreement.py precision MODEL_DIR [--tokens 24]
     python bench/logit_agreement.py quantisation HF_DIR OV_DIR... [--tokens 24]
     python bench/logit_agreement.py prompt-backend MODEL_DIR [--tokens 24]
+    python bench/logit_agreement.py video-pruning MODEL_DIR [--tokens 24]
 
 Teacher forcing: the reference's own greedy continuation of each prompt is fed to every
 candidate, and the logits each computes for every next token are compared with the
@@ -21,6 +22,10 @@ the defaults with images and prompts on OpenVINO, and on ONNX Runtime (its int8 
 then the rows copied into OpenVINO's f16 or f32 KV cache). Each runs the engine's own
 path (``generate``), its sampler replaced by one that records the logits and returns the
 forced token.
+``video-pruning``: the reference is the engine at MODEL_DIR's defaults answering about
+three 6 s 640x360 clips (a panning scene, bench/video.py's), unpruned; candidates are the
+same with ``model.video_pruning`` at 0.25, 0.5 and 0.75 (the same continuation forced
+after a prompt with fewer video rows), each with the video tokens it kept.
 """
 
 from __future__ import annotations
@@ -268,9 +273,46 @@ def prompt_backend(model: Path, tokens: int, size: int) -> None:
                               for request, cont, ref in cases])
 
 
+def video_pruning(model: Path, tokens: int) -> None:
+    import gc
+
+    from video import make_clip
+
+    def load(rate: float) -> Engine:
+        return Engine(Config.model_validate({
+            "model": {"path": str(model), "video_pruning": rate},
+            "engine": {"infer_requests": 1, "image_cache_mb": 0, "kv_cache_mb": 0}}))
+
+    def ask(clip: bytes) -> GenerateRequest:
+        return GenerateRequest(messages=[{"role": "user", "content": [
+            {"type": "video", "video": clip}, {"type": "text", "text": "What happens?"}]}],
+            max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    clips = [make_clip(6.0, 640, 360, seed) for seed in range(3)]
+    reference = load(0.0)
+    cases = []
+    for clip in clips:
+        result = reference.generate(ask(clip))
+        cases.append((ask(clip), result.token_ids, result.usage.image_tokens,
+                      generated_logits(reference, ask(clip), result.token_ids)))
+    del reference
+    gc.collect()
+    print(f"{model.name}: reference unpruned, {sum(c[2] for c in cases)} video tokens in "
+          f"{len(clips)} clips\n{HEADER}")
+    for rate in (0.25, 0.5, 0.75):
+        engine = load(rate)
+        kept = sum(engine.generate(dataclasses.replace(request, max_tokens=1)
+                                   ).usage.image_tokens for request, *_ in cases)
+        report(f"video_pruning {rate} ({kept} video tokens)",
+               [(ref, generated_logits(engine, request, cont)) for request, cont, _, ref in cases])
+        del engine
+        gc.collect()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["precision", "quantisation", "prompt-backend"])
+    parser.add_argument("mode", choices=["precision", "quantisation", "prompt-backend",
+                                         "video-pruning"])
     parser.add_argument("dirs", type=Path, nargs="+")
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--size", type=int, default=448)
@@ -283,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "prompt-backend":
         for model in args.dirs:
             prompt_backend(model, args.tokens, args.size)
+    elif args.mode == "video-pruning":
+        for model in args.dirs:
+            video_pruning(model, args.tokens)
     else:
         if len(args.dirs) < 2:
             parser.error("quantisation needs HF_DIR and at least one OV_DIR")

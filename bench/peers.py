@@ -45,10 +45,14 @@ ROWS = [
     Row("qvld engine, int8 (qvld recipe)", "qvld", "qwen3-vl-2b-int8-sym", "8"),
     Row("qvld daemon + qvlctl client, int8", "daemon", "qwen3-vl-2b-int8-sym", "8"),
     Row("qvld engine, int8 (optimum-cli IR)", "qvld", "qwen3-vl-2b-int8", "8"),
-    # The same IR with int8 ONNX graphs beside it (bench/first_token.py links them):
-    # images and prompts on ONNX Runtime, decoding on OpenVINO (model.prompt_backend auto).
-    Row("qvld engine, int8 (optimum-cli IR + int8 ONNX graphs)", "qvld",
+    # The same IR with int8 ONNX graphs beside it (bench/first_token.py links them), at
+    # the defaults (model.backend auto: all on ONNX Runtime on a CPU without VNNI or
+    # AMX, else OpenVINO decoding) and with OpenVINO decoding (images and prompts on
+    # ONNX Runtime: model.prompt_backend auto), the default before #50.
+    Row("qvld engine, int8 IR + int8 ONNX graphs (defaults)", "qvld",
         "qwen3-vl-2b-int8-ir+onnx", "8"),
+    Row("qvld engine, int8 IR + int8 ONNX graphs, OpenVINO decoding", "qvld",
+        "qwen3-vl-2b-int8-ir+onnx", "8", (("backend", "openvino"),)),
     Row("GenAI VLMPipeline, int8 (optimum-cli IR)", "genai", "qwen3-vl-2b-int8", "8"),
     Row("GenAI VLMPipeline, int8 (qvld IR)", "genai", "qwen3-vl-2b-int8-sym", "8"),
     Row("optimum-intel, int8 (optimum-cli IR)", "optimum", "qwen3-vl-2b-int8", "8"),
@@ -66,7 +70,7 @@ ROWS = [
     Row("transformers fp32", "transformers", "qwen3-vl-2b-hf", "32", once=True),
 ]
 FIELDS = ("load_s", "ready_cold_s", "ready_warm_s", "ttft_s", "ttft_seen_s",
-          "ttft_follow_up_s", "ttft_large_s", "tpot_s", "peak_rss", "prompt_tokens",
+          "ttft_follow_up_s", "ttft_large_s", "tpot_s", "peak_rss", "steady_rss", "prompt_tokens",
           "large_prompt_tokens", "qvlctl_ask_s")
 
 
@@ -157,8 +161,8 @@ def table(rows: list[Row], med: dict[str, dict[str, float]], machine: dict[str, 
         return format(m[key] * scale, fmt) if key in m else "-"
 
     lines = ["| system | load s | TTFT s | seen image s | follow-up s | 1280×960 TTFT s "
-             "(tokens) | ms/token | tokens/s | roofline | peak RSS GB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "(tokens) | ms/token | tokens/s | roofline | peak RSS GB | RSS after GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         m = med.get(row.name)
         if not m:
@@ -173,7 +177,8 @@ def table(rows: list[Row], med: dict[str, dict[str, float]], machine: dict[str, 
         load = cell(m, "load_s")
         lines.append(f"| {row.name} | {load} | {cell(m, 'ttft_s')} | {cell(m, 'ttft_seen_s')} | "
                      f"{cell(m, 'ttft_follow_up_s')} | {large} | {cell(m, 'tpot_s', 1000, '.1f')}"
-                     f" | {1 / m['tpot_s']:.1f} | {roofline} | {cell(m, 'peak_rss', 1e-9)} |")
+                     f" | {1 / m['tpot_s']:.1f} | {roofline} | {cell(m, 'peak_rss', 1e-9)} |"
+                     f" {cell(m, 'steady_rss', 1e-9)} |")
     return lines
 
 
@@ -199,6 +204,12 @@ def verdicts(med: dict[str, dict[str, float]]) -> list[str]:
         f"- peak RSS, qvld int8 / GenAI int8 (same IR): "
         f"{ratio(q8, 'GenAI VLMPipeline, int8 (qvld IR)', 'peak_rss')}",
     ]
+    # #50: the layout the README recommends (the IR plus int8 ONNX graphs), at the defaults.
+    fast, peer = ("qvld engine, int8 IR + int8 ONNX graphs (defaults)",
+                  "GenAI VLMPipeline, int8 (optimum-cli IR)")
+    lines.append(f"- the recommended layout at its defaults / GenAI (optimum-cli IR): peak RSS "
+                 f"{ratio(fast, peer, 'peak_rss')}, TTFT {ratio(fast, peer, 'ttft_s')}, "
+                 f"time per token {ratio(fast, peer, 'tpot_s')}")
     ort8, ort32 = "qvld engine, ONNX Runtime int8", "qvld engine, ONNX Runtime fp32"
     ov32 = "qvld engine, OpenVINO fp32 (f32 compute)"
     for what, key in (("TTFT", "ttft_s"), ("time per token", "tpot_s"), ("peak RSS", "peak_rss")):

@@ -35,10 +35,11 @@ LARGE = (1280, 960)  # a photo-sized image, sent as is: each system applies its 
 Result = dict[str, Any]
 
 
-def peak_rss(pid: int | str = "self") -> int:
-    """VmHWM of a process (this one by default), in bytes."""
+def peak_rss(pid: int | str = "self", field: str = "VmHWM") -> int:
+    """VmHWM of a process (this one by default), in bytes (``field``: another line of
+    /proc/PID/status, e.g. VmRSS, what it holds now)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -62,7 +63,7 @@ def user(image: bytes | None, text: str) -> list[dict[str, Any]]:
 
 # -- qvld: the engine in this process -------------------------------------------------
 
-def run_qvld(model: Path, size: int, tokens: int, seed: int, *, backend: str = "openvino",
+def run_qvld(model: Path, size: int, tokens: int, seed: int, *, backend: str = "auto",
              precision: str = "auto", **_: Any) -> Result:
     from qvld.config import Config, EngineConfig, ModelConfig
     from qvld.engine import Engine, GenerateRequest
@@ -84,6 +85,7 @@ def run_qvld(model: Path, size: int, tokens: int, seed: int, *, backend: str = "
     image = png(scene_image(size, seed))
     fresh = ask(image, PROMPT, session="bench")
     rss = peak_rss()  # the workload every system runs; what follows is qvld's alone
+    steady = peak_rss(field="VmRSS")
     follow_up = ask(None, FOLLOW_UP, n=2, session="bench")
     seen = ask(image, NEW_QUESTION, n=2)
     large = ask(png(large_image(seed)), PROMPT, n=2)
@@ -94,6 +96,7 @@ def run_qvld(model: Path, size: int, tokens: int, seed: int, *, backend: str = "
             "ttft_follow_up_s": follow_up.timings.ttft_s, "ttft_seen_s": seen.timings.ttft_s,
             "ttft_large_s": large.timings.ttft_s, "large_prompt_tokens": large.usage.prompt_tokens,
             "weights": engine.models.runtime_properties.get("WEIGHTS"),
+            "runtime": engine.models.runtime, "steady_rss": steady,
             "peak_rss": rss, "peak_rss_all": peak_rss()}
 
 
@@ -252,7 +255,8 @@ def run_genai(model: Path, size: int, tokens: int, seed: int, **_: Any) -> Resul
     ask(scene_image(size, seed + 1000), tokens)  # warm-up
     ttft, tpot, n, prompt = ask(scene_image(size, seed), tokens)
     result: Result = {"load_s": load, "ttft_s": ttft, "tpot_s": tpot, "tokens": n,
-              "prompt_tokens": prompt, "peak_rss": peak_rss()}
+              "prompt_tokens": prompt, "peak_rss": peak_rss(),
+              "steady_rss": peak_rss(field="VmRSS")}
     if seed == 0:  # the large image (≈1200 tokens at GenAI's budget) once: it is slow
         result["ttft_large_s"], _, _, result["large_prompt_tokens"] = ask(large_image(seed), 2)
     return result

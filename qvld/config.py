@@ -88,6 +88,11 @@ class ModelConfig(_Section):
     # A video's tokens at most (all its frames): fewer frames are sampled, then smaller
     # ones, to fit; also bounded by the model's own video_preprocessor_config.json.
     video_max_tokens: int = Field(2048, ge=16, le=32768)
+    # The share of a clip's tokens dropped before the prompt (0: none): after the first
+    # frame group, the tokens whose pixels changed least since the group before go first
+    # (static background), every kept token at its unpruned position. Fewer rows to
+    # prefill; it changes what the model sees (BENCHMARKS.md, "Video").
+    video_pruning: float = Field(0.0, ge=0.0, le=0.95)
 
     _no_nul_in_paths = field_validator("path", "cache_dir")(_no_nul)
 

@@ -199,7 +199,8 @@ class Engine:
                                      config.engine.max_decode_pixels, self.max_context,
                                      one_encoder_at_a_time=True,
                                      context_set_by=self.context_set_by,
-                                     video_max_tokens=config.model.video_max_tokens)
+                                     video_max_tokens=config.model.video_max_tokens,
+                                     video_pruning=config.model.video_pruning)
         # Structured output: compiled on threads of its own, beside images and prefill.
         self.grammars = GrammarCompiler(path / "tokenizer.json",
                                         self.spec.vocab_size,

@@ -208,3 +208,94 @@ def test_a_clip_that_would_cost_too_many_pixels_to_decode_is_refused_before_deco
     monkeypatch.setattr(video, "MAX_CLIP_DECODE_PIXELS", 100 * 256 * 192)
     assert tiny_engine.generate(ask(clip, max_tokens=2)).usage.completion_tokens == 2
     assert decoded  # within the budget: decoded as ever
+
+
+def half_static_clip(seconds: float = 3.0, fps: int = 10, width: int = 128,
+                     height: int = 64) -> bytes:
+    """The left half a still picture, the right half moving: what pruning drops first."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as muxer:
+        stream = muxer.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"crf": "0"}  # lossless: the still half stays exactly still
+        y, x = np.mgrid[0:height, 0:width]
+        still = np.stack([(x * 5) % 256, (y * 7) % 256, (x * y) % 256], -1)
+        for i in range(int(seconds * fps)):
+            moving = np.stack([(x * 3 + i * 29) % 256, (y * 11 + i * 17) % 256,
+                               (x + y + i * 41) % 256], -1)
+            rgb = np.where(x[..., None] < width // 2, still, moving).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                muxer.mux(packet)
+        for packet in stream.encode():
+            muxer.mux(packet)
+    return out.getvalue()
+
+
+def test_pruning_drops_the_tokens_that_did_not_change_first() -> None:
+    from qvld.engine.inputs.video import pruned_tokens
+
+    rng = np.random.default_rng(0)
+    first = rng.standard_normal((4 * 6, 12)).astype(np.float32)  # 6 merged tokens
+    second = first.copy()
+    second[4 * 3:] += rng.standard_normal((4 * 3, 12)).astype(np.float32)  # 3 changed
+    third = second.copy()  # nothing changed
+    kept = pruned_tokens([first, second, third], merge=2, rate=0.45)
+    # 18 tokens, 10 kept: all of the first group, the three that changed, and the best
+    # of the still third group (every group keeps one).
+    assert kept[0].tolist() == list(range(6))
+    assert kept[1].tolist() == [3, 4, 5]
+    assert len(kept[2]) == 1
+    assert [len(k) for k in pruned_tokens([first, second, third], 2, 0.0)] == [6, 6, 6]
+    # However high the rate, the first group and one token of each other stay.
+    assert [len(k) for k in pruned_tokens([first, second, third], 2, 0.95)] == [6, 1, 1]
+
+
+def test_kept_tokens_keep_their_unpruned_positions_and_the_text_after_them_too() -> None:
+    from qvld.engine.decoding.generation import mrope_positions
+
+    whole, delta = mrope_positions(30, [(2, 3, 4), (16, 3, 4)])
+    keep = np.array([0, 5, 6, 11])
+    pruned, pruned_delta = mrope_positions(
+        30 - 8, [(2, 3, 4, keep), (2 + len(keep) + 2, 3, 4)])
+    assert np.array_equal(pruned[:, 2:6], whole[:, 2 + keep])
+    assert np.array_equal(pruned[:, 6:], whole[:, 14:])  # the rest is moved, not changed
+    assert pruned_delta == delta + 8  # the same last position, 8 rows fewer
+
+
+def test_a_pruned_clip_has_fewer_rows_each_at_its_own_position_and_is_answered() -> None:
+    clip = half_static_clip()
+    full = Engine(parity_config(TINY, prefill_chunk=64))
+    pruned = Engine(parity_config(TINY, prefill_chunk=64).model_copy(update={
+        "model": parity_config(TINY).model.model_copy(update={"video_pruning": 0.4})}))
+    ids, items, starts = full.tokenize(ask(clip))
+    pruned_ids, pruned_items, pruned_starts = pruned.tokenize(ask(clip))
+    per_group = items[0].tokens
+    total = sum(i.tokens for i in items)
+    kept = sum(i.tokens for i in pruned_items)
+    assert len(items) == len(pruned_items) >= 3
+    assert pruned_items[0].tokens == per_group  # the first pair whole
+    assert kept == max(-(-total * 6 // 10), per_group + len(items) - 1)
+    assert len(pruned_ids) == len(ids) - (total - kept)
+    # The still left half goes first: every kept token of a later pair is on the right.
+    grid_w = items[0].merged_grid[1]
+    assert all((g.keep % grid_w >= grid_w // 2).all() for g in pruned_items[1:])
+    # Each kept token's positions are its unpruned ones.
+    full_prompt = full.prompts.assemble(full.pool.slots[0], ids, items, starts)
+    pruned_prompt = pruned.prompts.assemble(pruned.pool.slots[0], pruned_ids, pruned_items,
+                                            pruned_starts)
+    assert full_prompt is not None and pruned_prompt is not None
+    for group, pruned_group, start, pruned_start in zip(items, pruned_items, starts,
+                                                        pruned_starts, strict=True):
+        keep = pruned_group.keep
+        rows = np.arange(group.tokens) if keep is None else keep
+        assert np.array_equal(pruned_prompt.positions[:, pruned_start:pruned_start + len(rows)],
+                              full_prompt.positions[:, start + rows])
+    assert pruned_prompt.rope_delta - full_prompt.rope_delta == len(ids) - len(pruned_ids)
+    assert pruned_prompt.visual_embeds.shape[0] == kept
+    result = pruned.generate(ask(clip, max_tokens=4))
+    assert result.usage.image_tokens == kept and len(result.token_ids) == 4
+    # Pruning is part of the clip's identity in the caches: the unpruned engine's
+    # embeddings are never taken for the pruned clip's (or the reverse).
+    assert items[1].digest != pruned_items[1].digest

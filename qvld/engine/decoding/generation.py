@@ -24,26 +24,31 @@ FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 TokenCallback = Callable[..., None]
 
 
-def mrope_positions(length: int, images: Sequence[tuple[int, int, int]]
+def mrope_positions(length: int,
+                    images: Sequence[tuple[int, int, int] | tuple[int, int, int, Any]]
                     ) -> tuple[np.ndarray, int]:
     """3-axis positions [3,S] and rope_delta, as transformers' ``get_rope_index``.
 
-    ``images`` are (start row, merged grid h, merged grid w) in prompt order. Text runs
-    sequentially on all axes. An image's gh*gw rows at base position b get t=b,
-    h=b+row, w=b+col; the text after it resumes at b+max(gh, gw).
+    ``images`` are (start row, merged grid h, merged grid w[, kept tokens]) in prompt
+    order. Text runs sequentially on all axes. An image's gh*gw rows at base position b
+    get t=b, h=b+row, w=b+col; the text after it resumes at b+max(gh, gw). A pruned
+    image (kept tokens: indices into its row-major merged grid) has rows for those
+    tokens only, each at the position it has unpruned, and the text after it resumes
+    where it would: pruning moves no other row.
     ``rope_delta = max + 1 - S`` shifts every later decode step.
     """
     pos = np.empty((3, length), dtype=np.int64)
     i = nxt = 0
-    for start, gh, gw in [*images, (length, 0, 0)]:
+    for start, gh, gw, *kept in [*images, (length, 0, 0)]:
         pos[:, i:start] = nxt + np.arange(start - i)  # the text before this image
         nxt += start - i
         if gh == 0:
             break
-        count = gh * gw
+        cells = np.arange(gh * gw) if not kept or kept[0] is None else np.asarray(kept[0])
+        count = len(cells)
         pos[0, start:start + count] = nxt
-        pos[1, start:start + count] = nxt + np.repeat(np.arange(gh), gw)
-        pos[2, start:start + count] = nxt + np.tile(np.arange(gw), gh)
+        pos[1, start:start + count] = nxt + cells // gw
+        pos[2, start:start + count] = nxt + cells % gw
         nxt += max(gh, gw)
         i = start + count
     delta = int(pos.max()) + 1 - length if length else 0

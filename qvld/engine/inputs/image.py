@@ -14,7 +14,7 @@ import io
 import math
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -52,9 +52,14 @@ class PreparedImage:
     digest: bytes  # content + pixel budget: the identity caches use
     data: bytes
     budget: PixelBudget
+    # The merged tokens kept (row-major over the merged grid, ascending) when pruning
+    # dropped the rest (a video's frame group: model.video_pruning); None: all of them.
+    keep: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def tokens(self) -> int:
+        if self.keep is not None:
+            return len(self.keep)
         return self.grid_h * self.grid_w // (self.merge_size * self.merge_size)
 
     @property

@@ -61,9 +61,10 @@ class PromptBuilder:
                  images: ImageCache, max_decode_pixels: int, max_context: int,
                  one_encoder_at_a_time: bool = False,
                  context_set_by: str = "engine.max_context_tokens",
-                 video_max_tokens: int = 2048) -> None:
+                 video_max_tokens: int = 2048, video_pruning: float = 0.0) -> None:
         self.spec = spec
         self.video_max_tokens = video_max_tokens  # model.video_max_tokens
+        self.video_pruning = video_pruning  # model.video_pruning
         self.context_set_by = context_set_by  # what sets max_context, for messages
         # With continuous batching the vision encoder runs beside the language model's
         # steps; each inference already takes every core, so encoders running at once
@@ -120,8 +121,9 @@ class PromptBuilder:
                   self.max_decode_pixels, should_stop)
         for video in videos:
             try:
-                out.append(prepare_video(video, *limits) if isinstance(video, bytes)
-                           else prepare_frames(video, *limits))
+                out.append(prepare_video(video, *limits, pruning=self.video_pruning)
+                           if isinstance(video, bytes) else
+                           prepare_frames(video, *limits, pruning=self.video_pruning))
             except VideoStopped as exc:
                 raise PrepareStopped(str(exc)) from None
         return out
@@ -242,8 +244,8 @@ class PromptBuilder:
             embeds.append(embedding.embeds)
             deepstack.append(embedding.deepstack)
         positions, delta = mrope_positions(
-            len(ids), [(start, *image.merged_grid) for image, start in zip(images, starts,
-                                                                           strict=True)])
+            len(ids), [(start, *image.merged_grid, image.keep)
+                       for image, start in zip(images, starts, strict=True)])
         return Prompt(
             ids=ids,
             positions=positions,

@@ -29,8 +29,10 @@ passed). Anything that is not a usable clip is ``video_invalid``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -255,27 +257,30 @@ def patchify_pair(pair: np.ndarray, vision: VisionSpec) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(gh * gw, c * t * p * p))
 
 
-def video_digest(data: bytes, max_tokens: int) -> bytes:
-    return hashlib.sha256(hashlib.sha256(data).digest() + f"video:{max_tokens}".encode()
+def video_digest(data: bytes, max_tokens: int, pruning: float = 0.0) -> bytes:
+    pruned = f":pruned {pruning:g}" if pruning else ""
+    return hashlib.sha256(hashlib.sha256(data).digest() + f"video:{max_tokens}{pruned}".encode()
                           ).digest()
 
 
 def prepare_video(data: bytes, vision: VisionSpec, spec: VideoSpec, max_tokens: int,
-                  max_decode_pixels: int, should_stop: Callable[[], bool]) -> PreparedVideo:
-    """Decode, sample, resize and patchify a clip within ``max_tokens`` tokens."""
+                  max_decode_pixels: int, should_stop: Callable[[], bool],
+                  pruning: float = 0.0) -> PreparedVideo:
+    """Decode, sample, resize and patchify a clip within ``max_tokens`` tokens (less the
+    share ``pruning`` drops: ``pruned_tokens``)."""
     def size_for(count: int, height: int, width: int) -> tuple[int, int]:
         return frame_size(count, height, width, vision, spec, max_tokens)
 
     frames, indices, video_fps = decode_frames(
         data, spec, _most_frames(vision, max_tokens), max_decode_pixels, should_stop,
         size_for)
-    return _groups(frames, indices, video_fps, video_digest(data, max_tokens), vision, spec,
-                   max_tokens)
+    return _groups(frames, indices, video_fps, video_digest(data, max_tokens, pruning), vision,
+                   spec, max_tokens, pruning)
 
 
 def prepare_frames(pictures: list[bytes], vision: VisionSpec, spec: VideoSpec,
                    max_tokens: int, max_decode_pixels: int,
-                   should_stop: Callable[[], bool]) -> PreparedVideo:
+                   should_stop: Callable[[], bool], pruning: float = 0.0) -> PreparedVideo:
     """A clip given as its frames (pictures, already sampled: taken as ``spec.fps``
     apart); more than the budget allows are thinned evenly."""
     from qvld.engine.inputs.image import decode
@@ -292,8 +297,10 @@ def prepare_frames(pictures: list[bytes], vision: VisionSpec, spec: VideoSpec,
     if any(f.shape != frames[0].shape for f in frames):
         raise VideoInvalid("a video's frames must all have the same size")
     content = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pictures)).digest()
-    digest = hashlib.sha256(content + f"frames:{max_tokens}".encode()).digest()
-    return _groups(frames, [int(n) for n in keep], spec.fps, digest, vision, spec, max_tokens)
+    pruned = f":pruned {pruning:g}" if pruning else ""
+    digest = hashlib.sha256(content + f"frames:{max_tokens}{pruned}".encode()).digest()
+    return _groups(frames, [int(n) for n in keep], spec.fps, digest, vision, spec, max_tokens,
+                   pruning)
 
 
 def _most_frames(vision: VisionSpec, max_tokens: int) -> int:
@@ -319,7 +326,8 @@ def frame_size(count: int, height: int, width: int, vision: VisionSpec, spec: Vi
 
 
 def _groups(frames: list[np.ndarray], indices: list[int], video_fps: float, digest: bytes,
-            vision: VisionSpec, spec: VideoSpec, max_tokens: int) -> PreparedVideo:
+            vision: VisionSpec, spec: VideoSpec, max_tokens: int,
+            pruning: float = 0.0) -> PreparedVideo:
     """Sampled frames -> resized, normalised, paired and patchified groups."""
     pair = vision.temporal_patch_size
     if any(f.shape != frames[0].shape for f in frames):
@@ -338,4 +346,40 @@ def _groups(frames: list[np.ndarray], indices: list[int], video_fps: float, dige
         merge_size=vision.merge_size,
         digest=hashlib.sha256(digest + g.to_bytes(4, "big")).digest(),
         data=b"", budget=budget) for g in range(0, len(chw), pair)]
+    if pruning and len(groups) > 1:
+        kept = pruned_tokens([g.patches for g in groups if g.patches is not None],
+                             vision.merge_size, pruning)
+        groups = [dataclasses.replace(g, keep=k) for g, k in zip(groups, kept, strict=True)]
     return PreparedVideo(groups, timestamps(indices, video_fps, pair), digest, len(frames))
+
+
+def pruned_tokens(groups: list[np.ndarray], merge: int, rate: float) -> list[np.ndarray]:
+    """The merged tokens of each frame group to keep when ``rate`` of a clip's tokens
+    are dropped, in the spirit of Efficient Video Sampling (EVS): every token of the
+    first group is kept; each later token is scored by how much its pixels changed
+    since the same place in the group before (1 - cosine of the normalised pixel
+    vectors: a static patch scores 0), and the highest-scoring ones fill the rest of
+    the budget. Every group keeps at least one token. ``groups``: each group's patches
+    in merge-block order (``patchify_pair``), all of one grid. Returns, per group, the
+    kept token indices (row-major over its merged grid), ascending."""
+    per = merge * merge
+    vectors = [g.reshape(len(g) // per, -1).astype(np.float64) for g in groups]
+    unit = [v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-6) for v in vectors]
+    scores = [np.full(len(unit[0]), np.inf)]
+    scores += [1.0 - np.sum(now * before, axis=1) for before, now in itertools.pairwise(unit)]
+    flat = np.concatenate(scores)
+    chosen = np.zeros(len(flat), bool)
+    at = 0
+    for group in scores:  # the first group whole, and the best of each later one
+        chosen[at + (np.arange(len(group)) if np.isinf(group).all() else int(np.argmax(group)))] \
+            = True
+        at += len(group)
+    rest = math.ceil(len(flat) * (1.0 - rate)) - int(chosen.sum())
+    if rest > 0:
+        order = np.argsort(-np.where(chosen, -np.inf, flat), kind="stable")
+        chosen[order[:rest]] = True
+    kept, at = [], 0
+    for group in scores:
+        kept.append(np.flatnonzero(chosen[at:at + len(group)]))
+        at += len(group)
+    return kept

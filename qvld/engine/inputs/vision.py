@@ -96,4 +96,7 @@ def encode_image(slot: Slot, image: PreparedImage, vision: VisionSpec) -> ImageE
     mask = np.zeros((1, n, n), dtype=np.float32)
     rotary = rotary_embedding(gh, gw, m, vision.hidden_size // vision.num_heads)
     embeds, deepstack = slot.vision_merge(hidden, mask, rotary)
+    if image.keep is not None:  # a pruned frame group: the whole group is encoded (its
+        # attention sees every patch), then only the kept tokens go into the prompt
+        return ImageEmbedding(embeds=embeds[image.keep], deepstack=deepstack[:, image.keep])
     return ImageEmbedding(embeds=embeds, deepstack=deepstack)
