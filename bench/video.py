@@ -2,7 +2,7 @@
 (``videos=``) on the same IR, interleaved round by round in one process.
 
     python bench/video.py MODEL_DIR [--rounds 3] [--tokens 32] [--seconds 10]
-                          [--size 1280x720] [--json FILE]
+                          [--size 1280x720] [--pruning RATE] [--json FILE]
 
 Each round makes a new clip (H.264 MP4, a panning scene, 30 fps) so that no cache
 helps either system, then asks both about it. qvld takes the clip's bytes and does
@@ -10,6 +10,10 @@ everything itself (decode, 2 fps sampling, resize within model.video_max_tokens,
 vision, prefill); GenAI takes frames, so the same frames qvld samples are decoded for
 it (that decode is timed and shown apart: a GenAI user has to do it). First token from
 the call, then ms per token over ``--tokens`` tokens (eos ignored).
+
+``--pruning RATE`` adds a third system, qvld with ``model.video_pruning: RATE`` (a second
+engine in the same process), interleaved with the other two; each row says how many
+video tokens it used.
 
 The model directory needs video_preprocessor_config.json for the model's own video
 budget; Qwen3-VL-2B-Instruct's values are written there when it is missing (the
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--size", default="1280x720")
+    parser.add_argument("--pruning", type=float, default=0.0,
+                        help="also run qvld with model.video_pruning at this rate")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     width, height = (int(v) for v in args.size.split("x"))
@@ -105,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     ensure_tokenizer_ir(args.model)
     engine = Engine(Config(model=ModelConfig(path=args.model), engine=EngineConfig()))
     engine.warmup()
+    pruned = None
+    if args.pruning:
+        pruned = Engine(Config(model=ModelConfig(path=args.model, video_pruning=args.pruning),
+                               engine=EngineConfig()))
+        pruned.warmup()
     pipe = genai.VLMPipeline(str(args.model), "CPU")
 
     def prepare_s(clip: bytes) -> float:
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                       engine.config.engine.max_decode_pixels, lambda: False)
         return time.perf_counter() - t0
 
-    def ask_qvld(clip: bytes) -> dict[str, Any]:
+    def ask_qvld(clip: bytes, engine: Engine = engine) -> dict[str, Any]:
         decode_s = prepare_s(clip)
         result = engine.generate(GenerateRequest(
             messages=[{"role": "user", "content": [{"type": "video", "video": clip},
@@ -153,11 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     warm = make_clip(2.0, width, height, 999)
     ask_qvld(warm)
     ask_genai(warm)
-    rows: dict[str, list[dict[str, Any]]] = {"qvld": [], "genai": []}
+    systems: list[tuple[str, Any]] = [("qvld", ask_qvld), ("genai", ask_genai)]
+    if pruned is not None:
+        ask_qvld(warm, pruned)
+        systems.insert(1, (f"qvld-pruned-{args.pruning:g}",
+                           lambda clip: ask_qvld(clip, pruned)))
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in systems}
     for r in range(args.rounds):
         clip = make_clip(args.seconds, width, height, r)
-        order = (("qvld", ask_qvld), ("genai", ask_genai))
-        for name, ask in order if r % 2 == 0 else order[::-1]:
+        for name, ask in systems if r % 2 == 0 else systems[::-1]:
             rows[name].append(ask(clip))
             print(name, r, json.dumps(rows[name][-1]), flush=True)
 
@@ -166,18 +181,23 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{args.seconds:g} s {width}x{height} clip, {args.tokens} tokens, "
           f"{args.rounds} interleaved rounds (medians)")
-    print(f"{'system':8} {'first token s':>14} {'ms/token':>9} {'prompt tokens':>14}")
+    print(f"{'system':18} {'first token s':>14} {'ms/token':>9} {'prompt tokens':>14} "
+          f"{'video tokens':>13}")
     for name in rows:
-        print(f"{name:8} {med(name, 'ttft_s'):14.2f} {med(name, 'ms_per_token'):9.1f} "
-              f"{med(name, 'prompt_tokens'):14.0f}")
+        video = f"{med(name, 'video_tokens'):13.0f}" if name != "genai" else f"{'-':>13}"
+        print(f"{name:18} {med(name, 'ttft_s'):14.2f} {med(name, 'ms_per_token'):9.1f} "
+              f"{med(name, 'prompt_tokens'):14.0f} {video}")
     print(f"qvld on {engine.models.runtime}: decode + resize "
           f"{med('qvld', 'decode_resize_s'):.2f} s, vision {med('qvld', 'vision_s'):.2f} s, "
           f"prefill {med('qvld', 'prefill_s'):.2f} s; video tokens "
           f"{med('qvld', 'video_tokens'):.0f}")
     print(f"GenAI's frames decoded beforehand (not in its first token): "
           f"{med('genai', 'frame_decode_s'):.2f} s")
-    print(f"first token qvld / GenAI: {med('qvld', 'ttft_s') / med('genai', 'ttft_s'):.2f}; "
-          f"decode: {med('qvld', 'ms_per_token') / med('genai', 'ms_per_token'):.2f}")
+    for name in rows:
+        if name != "genai":
+            print(f"first token {name} / GenAI: "
+                  f"{med(name, 'ttft_s') / med('genai', 'ttft_s'):.2f}; decode: "
+                  f"{med(name, 'ms_per_token') / med('genai', 'ms_per_token'):.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
