@@ -84,19 +84,24 @@ def rotary_embedding(grid_h: int, grid_w: int, merge: int, head_dim: int) -> np.
 
 
 def encode_image(slot: Slot, image: PreparedImage, vision: VisionSpec) -> ImageEmbedding:
+    """The image's (or frame pair's) embeddings and deepstack features, on ``slot``.
+
+    A pruned frame pair (``image.keep``) is encoded from its kept tokens' patches only,
+    each with the position embedding and rotary angles it has in the whole pair: the
+    encoder's work shrinks with the tokens, and its attention sees the kept patches."""
     gh, gw, m = image.grid_h, image.grid_w, image.merge_size
     assert image.patches is not None, "decode the image before encoding it"
     side = round(vision.num_position_embeddings ** 0.5)
-    patches = slot.vision_patches(image.patches)
     idx, weights = position_corners(gh, gw, side)
     corners = slot.vision_positions(idx) * weights[:, :, None]
-    pos = corners[0] + corners[1] + corners[2] + corners[3]
-    hidden = patches + to_merge_order(pos, gh, gw, m)
-    n = gh * gw
-    mask = np.zeros((1, n, n), dtype=np.float32)
+    pos = to_merge_order(corners[0] + corners[1] + corners[2] + corners[3], gh, gw, m)
     rotary = rotary_embedding(gh, gw, m, vision.hidden_size // vision.num_heads)
-    embeds, deepstack = slot.vision_merge(hidden, mask, rotary)
-    if image.keep is not None:  # a pruned frame group: the whole group is encoded (its
-        # attention sees every patch), then only the kept tokens go into the prompt
-        return ImageEmbedding(embeds=embeds[image.keep], deepstack=deepstack[:, image.keep])
+    patches = image.patches
+    if image.keep is not None:  # each merged token is m*m consecutive patch rows
+        rows = (image.keep[:, None] * (m * m) + np.arange(m * m)).reshape(-1)
+        patches, pos, rotary = patches[rows], pos[rows], rotary[rows]
+    hidden = slot.vision_patches(np.ascontiguousarray(patches)) + pos
+    n = len(hidden)
+    mask = np.zeros((1, n, n), dtype=np.float32)
+    embeds, deepstack = slot.vision_merge(hidden, mask, np.ascontiguousarray(rotary))
     return ImageEmbedding(embeds=embeds, deepstack=deepstack)

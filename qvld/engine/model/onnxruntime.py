@@ -67,6 +67,9 @@ def register_shared_arena() -> None:
         _arena_registered = True
 
 
+# Rows the step buffers grow by (a decoding sequence reallocates once in this many steps).
+PRESENT_ROWS = 256
+
 # Run option: the arena frees its unused regions when the run ends (prompts and images,
 # whose activations are large and of every size; not decode steps, whose are small).
 _SHRINK = ort.RunOptions()
@@ -183,6 +186,10 @@ class Slot(SlotBase):
         # alive here: an OrtValue made from numpy does not own its memory).
         self._kv: list[ort.OrtValue] = []
         self._kv_arrays: list[np.ndarray] = []
+        # Flat buffers: those the cache is in (when a step wrote it), and the others.
+        self._kv_buffers: list[np.ndarray] = []
+        self._spare_buffers: list[np.ndarray] = []
+        self._present_buffers: list[np.ndarray] = []
         self._logits_value: ort.OrtValue | None = None
         self.reset()
 
@@ -192,7 +199,21 @@ class Slot(SlotBase):
 
     def _hold(self, arrays: list[np.ndarray]) -> None:
         self._kv_arrays = arrays
+        self._kv_buffers = []  # not in the two step buffers (a trim, a load, empty)
         self._kv = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+
+    def _present_arrays(self, shape: tuple[int, int, int, int]) -> list[np.ndarray]:
+        """One array of ``shape`` per present output, in the spare step buffers (grown
+        in steps of PRESENT_ROWS rows): the cache alternates between two sets of
+        buffers, so a decoding sequence allocates (and faults in) nothing per token."""
+        need = math.prod(shape)
+        spare = self._spare_buffers
+        if len(spare) != len(self._models.present_names) or spare[0].size < need:
+            rows = -(-shape[2] // PRESENT_ROWS) * PRESENT_ROWS
+            size = shape[0] * shape[1] * rows * shape[3]
+            spare = [np.empty(size, np.float32) for _ in self._models.present_names]
+        self._present_buffers = spare
+        return [buffer[:need].reshape(shape) for buffer in spare]
 
     def _drop_cache(self) -> None:
         self._hold([self._empty] * len(self._models.past_names))
@@ -250,12 +271,11 @@ class Slot(SlotBase):
         for name, value in zip(self._models.past_names, self._kv, strict=True):
             binding.bind_ortvalue_input(name, value)
         binding.bind_output("logits", "cpu")
-        # The presents go into arrays of ours, not ORT's arena: each step's are one row
+        # The presents go into buffers of ours, not ORT's arena: each step's are one row
         # longer than the last's, which an arena that grows by what is asked never
         # reuses (it grew by a whole KV cache a token: 1.8 GB over 64 tokens here).
         batch, heads, past, head_dim = self._kv[0].shape()
-        presents = [np.empty((batch, heads, past + seq, head_dim), np.float32)
-                    for _ in self._models.present_names]
+        presents = self._present_arrays((batch, heads, past + seq, head_dim))
         for name, array in zip(self._models.present_names, presents, strict=True):
             binding.bind_output(name, "cpu", 0, np.float32, list(array.shape),
                                 array.ctypes.data)
@@ -264,8 +284,11 @@ class Slot(SlotBase):
             # of every length would otherwise each leave regions the arena keeps.
             self._lm.run_with_iobinding(binding, _SHRINK if seq > 1 else None)
         outputs = binding.get_outputs()
-        # The presents become the cache: the next step binds them as its pasts.
+        # The presents become the cache: the next step binds them as its pasts, and
+        # the buffers the pasts were in take the step after's presents.
+        spare = self._kv_buffers
         self._hold(presents)
+        self._kv_buffers, self._spare_buffers = self._present_buffers, spare
         self.past_len += seq
         self._logits_value = outputs[0]  # keeps the view below alive
         return _view(outputs[0])[:, -1]
