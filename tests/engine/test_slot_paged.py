@@ -160,3 +160,24 @@ def test_the_decode_lane_steps_sequences_of_any_lengths_as_each_would_step_alone
     model.write_rows(tables["a"], 0, [r[:, :, :1] for r in model.read_rows(tables["a"], 1)])
     step(model, ["a", "c"], one_row(["a", "c"]))
     assert model.lane_loads == 3
+
+
+def test_batch_invariant_steps_each_decoding_sequence_alone() -> None:
+    # engine.batch_invariant: no decode lane; three sequences decode in turn on the
+    # slots, with transformers' own answers, and the lane is never filled.
+    engine = engine_on("onnxruntime", infer_requests=3, max_sequences=3, batch_invariant=True)
+    model = engine.batch.model
+    assert isinstance(model, SlotPaged)
+    names = ["long", "image_photo", "question"]
+
+    def start(name: str) -> Callable[[], Generation]:
+        case = CASES[name]
+        return lambda: engine.submit(engine.prepare(GenerateRequest(
+            messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
+            max_tokens=case["max_new_tokens"])))
+
+    with StepGate(engine) as gate:
+        gens = gate.start_together([start(name) for name in names], tokens=2)
+    assert [gen.future.result(60).token_ids for gen in gens] == [
+        CASES[name]["token_ids"] for name in names]
+    assert model.lane_loads == 0 and engine.batch.peak_sequences == 3

@@ -119,6 +119,8 @@ class SessionModels:
                                  spec.onnx(sub).name + ".data")) if p.exists()}
         self.runtime = "onnxruntime"
         self.prompt = None
+        # Decoding sequences stepped one at a time (engine.batch_invariant), not batched.
+        self._batch_invariant = engine_cfg.batch_invariant
         # One sequence per inference: the step loop runs it through ``SlotPaged``, whose
         # f32 blocks are what engine.kv_cache_mb holds.
         self.paged = False
@@ -141,7 +143,8 @@ class SessionModels:
 
     def new_paged(self, num_blocks: int, slots: int) -> SlotPaged:
         """The step loop's model: ``slots`` slots behind a block store."""
-        return SlotPaged(self.new_slot, slots, num_blocks, self.kv_layout, lane=self.new_slot())
+        lane = None if self._batch_invariant else self.new_slot()
+        return SlotPaged(self.new_slot, slots, num_blocks, self.kv_layout, lane=lane)
 
 
 class _Memory:
@@ -217,6 +220,7 @@ class Slot(SlotBase):
 
     def _drop_cache(self) -> None:
         self._hold([self._empty] * len(self._models.past_names))
+        self._spare_buffers = []  # a reset slot holds no memory for a cache
 
     def _truncate_cache(self, keep: int) -> None:
         # [batch, kv_heads, seq, head_dim]: the first ``keep`` rows of every layer.
