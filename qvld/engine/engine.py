@@ -213,7 +213,8 @@ class Engine:
             eos_token_ids=tuple(self.spec.generation.eos_token_ids),
             runtime=self.models.runtime, runtime_version=self.models.runtime_version,
             runtime_properties=dict(self.models.runtime_properties),
-            prompt_runtime=self.prompt_runtime, continuous_batching=self.models.paged,
+            prompt_runtime=self.prompt_runtime,
+            continuous_batching=self.batch.model.batches_decoding,
             load_s=self.load_s)
 
     def _block_pool(self, config: Config) -> BlockPool:
@@ -410,11 +411,12 @@ class Engine:
         fed, tokens so far), and whether a step runs its sequences in one inference
         (continuous batching) or one by one on slots (and why)."""
         decoding, prefilling = self.batch.counts()
-        batching: dict[str, Any] = {"continuous_batching": self.models.paged}
-        if not self.models.paged:
+        batched = self.batch.model.batches_decoding
+        batching: dict[str, Any] = {"continuous_batching": batched}
+        if not batched:
             batching["reason"] = (
                 "engine.continuous_batching is off" if self.config.model.backend == "openvino"
-                else f"the {self.models.runtime} backend runs one sequence per inference")
+                else "engine.batch_invariant steps decoding sequences one by one")
         return {**batching,
                 "max_batch_tokens": self.batch.max_batch_tokens,
                 "steps": self.batch.steps, "peak_sequences": self.batch.peak_sequences,

@@ -51,15 +51,19 @@ def test_greedy_ids_equal_transformers(engine: Engine, name: str) -> None:
     assert ask(engine, CASES[name]).token_ids == CASES[name]["token_ids"]
 
 
-def test_one_sequence_per_inference_in_the_step_loop_and_status_says_so(
+def test_decoding_sequences_share_a_step_and_status_says_whether_they_do(
         engine: Engine) -> None:
-    # ONNX Runtime has no paged attention here: concurrent generations share the step
-    # loop, each step running its sequences one by one on slots over the same KV blocks,
-    # exactly; status tells an operator why a step is not one inference.
+    # ONNX Runtime has no paged attention: concurrent generations share the step loop,
+    # prompts on slots over the same KV blocks and decoding sequences in one inference
+    # (the decode lane), exactly; with engine.batch_invariant the decoding ones run one
+    # by one, and status tells an operator why a step is not one inference.
     from concurrent.futures import ThreadPoolExecutor
 
-    batch = engine.stats()["batch"]
-    assert batch["continuous_batching"] is False and "onnxruntime" in batch["reason"]
+    assert engine.stats()["batch"]["continuous_batching"] is True
+    alone = Engine(engine.config.model_copy(update={"engine": engine.config.engine.model_copy(
+        update={"batch_invariant": True})}))
+    batch = alone.stats()["batch"]
+    assert batch["continuous_batching"] is False and "batch_invariant" in batch["reason"]
     peak = engine.batch.peak_sequences
     cases = [CASES[n] for n in ("image_photo", "long", "question")]
     with ThreadPoolExecutor(len(cases)) as pool:
@@ -87,15 +91,20 @@ def test_chunked_prefill_through_the_past_inputs_is_exact(name: str) -> None:
     assert ask(engine, CASES[name]).token_ids == CASES[name]["token_ids"]
 
 
-def test_a_prefix_shared_in_whole_blocks_is_reused_from_the_slot_it_ran_on() -> None:
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_prefix_shared_in_whole_blocks_is_reused(invariant: bool) -> None:
     # The same 131-row prompt again: its rows are cached in whole blocks (all but the
-    # last row, whose logits give the first token); the slot that ran the first still
-    # holds them, and is cut back to them instead of loading them again.
-    engine = Engine(ort_config(infer_requests=1))
+    # last row, whose logits give the first token). Without the decode lane the slot
+    # that ran the first still holds them, and is cut back to them instead of loading
+    # them again; with it the lane took the first answer's rows and the slot let its
+    # copy go (memory), so they are loaded from the blocks once.
+    engine = Engine(ort_config(infer_requests=1, batch_invariant=invariant))
     first, second = ask(engine, CASES["long"]), ask(engine, CASES["long"])
     size = engine.blocks.block_size
     assert second.usage.cached_tokens == 130 // size * size
-    assert engine.batch.model.reloads == 0  # type: ignore[attr-defined]
+    model = engine.batch.model
+    assert (model.reloads, model.lane_loads > 0) == (  # type: ignore[attr-defined]
+        (0, False) if invariant else (1, True))
     assert first.token_ids == second.token_ids == CASES["long"]["token_ids"]
 
 

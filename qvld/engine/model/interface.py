@@ -152,6 +152,8 @@ class PagedModel(Protocol):
     cache_bytes: int
     # When the step now running started (the watchdog looks at it).
     busy_since: float | None
+    # Whether a step's decoding sequences run in one inference (continuous batching).
+    batches_decoding: bool
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token ids [S] -> embeddings [S,H] (a copy)."""

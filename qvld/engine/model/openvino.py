@@ -461,6 +461,7 @@ class PagedLanguage:
     def __init__(self, models: CompiledModels, num_blocks: int) -> None:
         self.block_size = self.block_size_of(models.language)
         self.num_blocks = num_blocks
+        self.batches_decoding = True
         self._request = models.language.create_infer_request()
         self._embed = models.embeddings.create_infer_request()
         self.busy_since: float | None = None

@@ -153,6 +153,7 @@ class SlotPaged:
         self._versions = np.zeros(num_blocks, np.int64)
         self._mirrors = [_Mirror(new_slot()) for _ in range(max(1, slots))]
         self._lane = None if lane is None else _Lane(lane)
+        self.batches_decoding = lane is not None
         self.busy_since: float | None = None
         self.reloads = 0  # sequences loaded into a slot from their blocks
         self.lane_loads = 0  # times the decode lane was filled from the blocks
