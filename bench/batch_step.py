@@ -3,7 +3,9 @@
     python bench/batch_step.py MODEL_DIR [--sizes 1,2,4,8] [--past 224] [--repeats 5]
 
 Times the paged language model qvld's continuous batching runs (one decode row per
-sequence, each with ``--past`` rows of KV cache) and, for comparison, the stateful IR
+sequence, each with ``--past`` rows of KV cache), ONNX Runtime's decode lane when the
+directory also holds ONNX graphs (the same rows, each step one row longer than the
+last, as when decoding) and, for comparison, the stateful IR
 the one-generation-per-request engine runs, fed the same number of rows at once (as a
 prompt chunk, on an empty cache: the matrix kernels see the same shapes). Decode
 is bound by memory bandwidth only while the matrix kernels stay cheap per extra row: the
@@ -45,6 +47,25 @@ def matmul_kernels(engine: Engine) -> dict[str, int]:
     return dict(kinds)
 
 
+def lane_steps(engine: Engine, embeds: np.ndarray, n: int, past: int,
+               repeats: int) -> Callable[[], object]:
+    """A step of ``n`` decoding sequences on ONNX Runtime's decode lane, each call one
+    row further (as decoding goes: the lane is filled from the blocks once)."""
+    model = engine.batch.model
+    per_seq = (past + repeats + 8) // model.block_size + 1
+    block_begins = np.arange(0, n * per_seq + 1, per_seq, dtype=np.int32)
+    blocks = np.arange(n * per_seq, dtype=np.int32) % model.num_blocks
+    at = [past]
+
+    def step() -> object:
+        rows = at[0]
+        at[0] += 1
+        return model.step(embeds, np.full((3, n), rows, np.int64), np.zeros(n, bool),
+                          model.no_deepstack(), np.full(n, rows, np.int32),
+                          np.arange(n + 1, dtype=np.int32), block_begins, blocks)
+    return step
+
+
 def median_ms(step: Callable[[], object], repeats: int) -> float:
     for _ in range(2):
         step()
@@ -66,16 +87,23 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(n) for n in args.sizes.split(",")]
     rng = np.random.default_rng(0)
     results: dict[str, dict[int, float]] = {}
-    for batching in (True, False):
-        engine = Engine(Config(model=ModelConfig(path=args.model),
+    runs = [("openvino", True), ("openvino", False)]
+    if (args.model / "onnx_language_model.onnx").is_file():
+        runs.insert(1, ("onnxruntime", True))
+    for backend, batching in runs:
+        engine = Engine(Config(model=ModelConfig(path=args.model, backend=backend),  # type: ignore[arg-type]
                                engine=EngineConfig(infer_requests=max(sizes),
                                                    continuous_batching=batching)))
         hidden = engine.spec.hidden_size
-        name = "paged (continuous batching)" if batching else "stateful (rows at once)"
+        name = ("ONNX Runtime decode lane" if backend == "onnxruntime" else
+                "paged (continuous batching)" if batching else "stateful (rows at once)")
         results[name] = {}
         for n in sizes:
             embeds = (rng.random((n, hidden), dtype=np.float32) * 0.1)
-            if engine.batch is not None:
+            if backend == "onnxruntime":
+                results[name][n] = median_ms(lane_steps(engine, embeds, n, args.past,
+                                                        args.repeats), args.repeats)
+            elif engine.batch is not None:
                 model = engine.batch.model
                 per_seq = args.past // model.block_size + 1
                 step = partial(model.step, embeds, np.full((3, n), args.past, np.int64),
@@ -92,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.repeats)
             print(f"{name}: {n} rows {results[name][n]:.0f} ms "
                   f"({results[name][n] / results[name][sizes[0]]:.2f}x)", flush=True)
-        if batching:  # how the CPU plugin ran the matrix layers (no int8 kernel: *_f32)
+        if batching and backend == "openvino":  # how the CPU plugin ran the matrix layers
             print("language model matmuls:", matmul_kernels(engine), flush=True)
         del engine
     print()
