@@ -27,6 +27,7 @@ from qvld.engine.model.model_dir import (
     onnx_path,
     onnx_weights,
     processor_settings,
+    resolve_backend,
 )
 
 # Files the engine reads besides the IRs, copied from the checkpoint.
@@ -299,8 +300,13 @@ def add_beside_ir(src: str, dst: Path, what: str,
                 path.unlink(missing_ok=True)
             raise
     auto = onnx_weights(onnx_path(dst, "language_model")) == "int8"
+    from qvld.config import ModelConfig
+
+    runtime, why = resolve_backend(ModelConfig(path=dst))
     _say(f"ok: {dst} serves with images and prompts on ONNX Runtime (sample answer: "
-         f"{answer[:60]!r}); " + ("model.prompt_backend: auto uses them" if auto else
+         f"{answer[:60]!r}); " + (f"model.backend auto runs {runtime} here: {why}" +
+                                  ("; model.prompt_backend: auto uses them"
+                                   if runtime == "openvino" else "") if auto else
                                   "auto uses int8 graphs only: set model.prompt_backend: "
                                   "onnxruntime to use these"))
     return 0

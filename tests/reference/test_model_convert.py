@@ -58,7 +58,7 @@ def test_convert_each_weight_format_and_serve_it(checkpoint: Path, tmp_path: Pat
     # qvld's recipe: symmetric, one scale per output channel (int4: every layer).
     assert info["language_model_layout"] == LAYOUT[weights]
     assert info["text"]["hidden_size"] == 128 and info["chat_template"]
-    daemon = Daemon(tmp_path, model=dst).start()
+    daemon = Daemon(tmp_path, model=dst, args=["--set", "model.backend=openvino"]).start()
     try:
         with daemon.client() as client:
             result = client.generate({"messages": [{"role": "user", "content": "Hi"}],
@@ -140,9 +140,12 @@ def test_export_onnx_and_serve_it(checkpoint: Path, tmp_path: Path, weights: str
 def test_export_onnx_into_the_ir_directory_and_serve_the_split(checkpoint: Path,
                                                                 tmp_path: Path,
                                                                 ir_weights: str) -> None:
-    # The README's route to model.prompt_backend: convert, then export-onnx into the same
-    # directory; int8 graphs, so auto takes them. An int4 IR (its embedding table in 4
-    # bits too) is still recognised as the same checkpoint.
+    # The README's route to the IR plus int8 graphs: convert, then export-onnx into the
+    # same directory. model.backend auto then runs all on ONNX Runtime on a CPU without
+    # VNNI or AMX and says so; with OpenVINO decoding (set here) prompt_backend auto
+    # takes the graphs. An int4 IR (its embedding table in 4 bits too) is still
+    # recognised as the same checkpoint.
+    from qvld.engine.model.model_dir import choose_backend, cpu_flags
     dst = tmp_path / f"tiny-{ir_weights}"
     assert qvlctl("model", "convert", str(checkpoint), str(dst), "--weights",
                   ir_weights).returncode == 0
@@ -150,13 +153,15 @@ def test_export_onnx_into_the_ir_directory_and_serve_the_split(checkpoint: Path,
     out = qvlctl("model", "export-onnx", str(checkpoint), str(dst), "--weights", "int8")
     assert out.returncode == 0, out.stderr
     assert "serves with images and prompts on ONNX Runtime" in out.stderr
-    assert "model.prompt_backend: auto uses them" in out.stderr
+    runtime, why = choose_backend(dst, "auto", cpu_flags(), True)
+    assert f"model.backend auto runs {runtime} here: {why}" in out.stderr
+    assert ("model.prompt_backend: auto uses them" in out.stderr) == (runtime == "openvino")
     assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()
             if not p.name.startswith("onnx_")} == ir_files  # the IR's files untouched
     assert sorted(p.name for p in dst.glob("onnx_*")) == sorted(
         [f"onnx_{sub}.onnx" for sub in SUBMODELS])
     assert not list(tmp_path.glob(".*partial*"))
-    daemon = Daemon(tmp_path, model=dst).start()
+    daemon = Daemon(tmp_path, model=dst, args=["--set", "model.backend=openvino"]).start()
     try:
         with daemon.client() as client:
             status = client.status()
