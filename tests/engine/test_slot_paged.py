@@ -33,6 +33,22 @@ def ask(engine: Engine, name: str) -> list[int]:
         max_tokens=case["max_new_tokens"])).token_ids
 
 
+NAMES = ["long", "image_photo", "question"]
+
+
+def answers_side_by_side(engine: Engine) -> list[list[int]]:
+    """NAMES' answers, generated side by side however loaded the machine."""
+    def start(name: str) -> Callable[[], Generation]:
+        case = CASES[name]
+        return lambda: engine.submit(engine.prepare(GenerateRequest(
+            messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
+            max_tokens=case["max_new_tokens"])))
+
+    with StepGate(engine) as gate:
+        gens = gate.start_together([start(name) for name in NAMES], tokens=2)
+    return [gen.future.result(60).token_ids for gen in gens]
+
+
 @pytest.mark.parametrize("runtime", list(RUNTIMES))
 def test_more_running_sequences_than_slots_load_from_their_blocks_and_stay_exact(
         runtime: str) -> None:
@@ -42,18 +58,7 @@ def test_more_running_sequences_than_slots_load_from_their_blocks_and_stay_exact
     model = engine.batch.model
     assert isinstance(model, SlotPaged)
     assert engine.stats()["batch"]["continuous_batching"] is (runtime == "onnxruntime")
-    names = ["long", "image_photo", "question"]
-
-    def start(name: str) -> Callable[[], Generation]:
-        case = CASES[name]
-        return lambda: engine.submit(engine.prepare(GenerateRequest(
-            messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
-            max_tokens=case["max_new_tokens"])))
-
-    with StepGate(engine) as gate:  # side by side however loaded the machine
-        gens = gate.start_together([start(name) for name in names], tokens=2)
-    answers = [gen.future.result(60).token_ids for gen in gens]
-    assert answers == [CASES[name]["token_ids"] for name in names]
+    assert answers_side_by_side(engine) == [CASES[name]["token_ids"] for name in NAMES]
     # ONNX Runtime decodes all three in its lane; OpenVINO's stateful slots take turns.
     moved = model.lane_loads if runtime == "onnxruntime" else model.reloads
     assert moved > 0 and engine.batch.peak_sequences == 3
@@ -169,16 +174,5 @@ def test_batch_invariant_steps_each_decoding_sequence_alone() -> None:
     engine = engine_on("onnxruntime", infer_requests=3, max_sequences=3, batch_invariant=True)
     model = engine.batch.model
     assert isinstance(model, SlotPaged)
-    names = ["long", "image_photo", "question"]
-
-    def start(name: str) -> Callable[[], Generation]:
-        case = CASES[name]
-        return lambda: engine.submit(engine.prepare(GenerateRequest(
-            messages=with_image_bytes(case["messages"], TINY), temperature=0.0,
-            max_tokens=case["max_new_tokens"])))
-
-    with StepGate(engine) as gate:
-        gens = gate.start_together([start(name) for name in names], tokens=2)
-    assert [gen.future.result(60).token_ids for gen in gens] == [
-        CASES[name]["token_ids"] for name in names]
+    assert answers_side_by_side(engine) == [CASES[name]["token_ids"] for name in NAMES]
     assert model.lane_loads == 0 and engine.batch.peak_sequences == 3
