@@ -66,6 +66,7 @@ from qvld.engine.model.model_dir import (
     VIDEO_CONFIG,
     ModelSpec,
     load_model_spec,
+    onnx_outdated,
     resolve_backend,
 )
 from qvld.engine.model.tokenizer import ChatTemplate, TextTokenizer
@@ -156,6 +157,9 @@ class Engine:
                         self.spec.video.max_frames, self.spec.video.min_pixels,
                         self.spec.video.max_pixels)
         self.models = load_models(self.spec, config.model, config.engine)
+        outdated = onnx_outdated(path)
+        if outdated:  # auto passed them over (onnxruntime named would have refused)
+            log.warning("%s; until then OpenVINO runs everything", outdated)
         self.max_context = min(config.engine.max_context_tokens,
                                self.spec.max_position_embeddings)
         # What sets the context, for the message of a prompt that does not fit.

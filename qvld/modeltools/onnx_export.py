@@ -13,12 +13,20 @@ onnx_vision_embeddings  input [4,N] int64 (bilinear corner rows)    pos_embeds [
 _pos_model.onnx
 onnx_vision_embeddings  hidden_states [N,Hv],                       image_embeds [N/m²,H],
 _merger_model.onnx      rotary_pos_emb [N,hd/2]                     deepstack [k,N/m²,H]
-onnx_language_model     inputs_embeds [B,S,H], attention_mask       logits [B,1,V],
-.onnx                   [B,P+S], position_ids [3,B,S],              present.L.key/value
-                        visual_pos_masks [B,S] bool,                [B,kv,P+S,hd]
-                        deepstack_visual_embeds [k,Nvis,H],
-                        past_key_values.L.key/value [B,kv,P,hd]
+onnx_language_model     inputs_embeds [B,S,H], position_ids         logits [B,1,V],
+.onnx                   [3,B,S], visual_pos_masks [B,S] bool,       present.L.key/value
+                        deepstack_visual_embeds [k,Nvis,H],         [B,kv,C,hd] (the same
+                        seqlens_k [B] int32, total_sequence_length  buffers as the pasts)
+                        int32, past_key_values.L.key/value
+                        [B,kv,C,hd]
 ======================  ==========================================  ===========================
+
+The language model's KV cache is written in place (ONNX Runtime's GroupQueryAttention):
+each layer's past and present are one buffer of C rows per sequence, bound to both
+(``past_present_share_buffer``). Sequence b's rows are [0, seqlens_k[b] + 1), the last S
+of them the ones this call adds; rows past that are never read, so sequences of
+different lengths share a batch without padding or a mask, and cutting a cache back is
+only a smaller ``seqlens_k``. ``total_sequence_length`` is the largest of them.
 
 The same host-side inputs as the OpenVINO export (the engine's image, position and
 prompt code is shared), except that the language model carries its KV cache as explicit
@@ -29,9 +37,10 @@ full-size model; graphs exported before take it, and are still fed one). The gra
 are traced from forward functions written here over the checkpoint's own modules (norms,
 projections, MLPs, rotary tables), with plain ops where transformers dispatches on
 run-time values (attention over ``cu_seqlens``, boolean-mask deepstack writes, cache
-objects), so every axis that varies stays dynamic. The vision blocks' rotary embedding and attention
-are ONNX Runtime's fused contrib ops (``com.microsoft`` RotaryEmbedding and
-MultiHeadAttention: the graphs are for ONNX Runtime, the runtime that reads them).
+objects), so every axis that varies stays dynamic. The vision blocks' rotary embedding
+and attention, and the decoder's attention, are ONNX Runtime's fused contrib ops
+(``com.microsoft`` RotaryEmbedding, MultiHeadAttention and GroupQueryAttention: the
+graphs are for ONNX Runtime, the runtime that reads them).
 
 Weights: ``fp32`` as exported, or ``int8``: onnxruntime's dynamic quantisation of every
 MatMul/Gemm weight (per output channel, signed), activations quantised per call,
@@ -52,11 +61,12 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from qvld.engine.model.model_dir import SUBMODELS, ir_path, onnx_path
+from qvld.engine.model.model_dir import KV_IN_PLACE, SUBMODELS, ir_path, onnx_path
 from qvld.modeltools.convert import SIDE_FILES, add_beside_ir, write_model
 
 # The ONNX opset: 20 has Gelu, so the vision MLP's tanh GELU is one op instead of nine
@@ -65,7 +75,7 @@ from qvld.modeltools.convert import SIDE_FILES, add_beside_ir, write_model
 OPSET = 20
 # ONNX Runtime's contrib ops (fused rotary embedding and attention) and the graphs using them.
 CONTRIB_OPSET = {"com.microsoft": 1}
-CONTRIB_USERS = ("vision_embeddings_merger_model",)
+CONTRIB_USERS = ("vision_embeddings_merger_model", "language_model")
 
 
 def _say(text: str) -> None:
@@ -76,6 +86,7 @@ def _modules() -> Any:
     """The torch modules, defined on first use: torch is imported only by this command."""
     import torch
     from torch import nn
+    from torch.jit._trace import TracerWarning
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
     class TableLookup(nn.Module):
@@ -144,9 +155,56 @@ def _modules() -> Any:
             out.setType(q.type())
             return out
 
+    class CachedAttention(torch.autograd.Function):
+        """A decoder layer's attention over its KV cache, exported as ONNX Runtime's
+        GroupQueryAttention, which writes the new rows into the cache in place: the
+        cache input and output are one buffer [B, kv, capacity, hd], and each
+        sequence's rows are [0, seqlens_k[b] + 1) of it, the last S of them new. A
+        graph that concatenated the past with the new rows copied the whole f32 cache
+        every token (1.4x GenAI's time per token at 2 000 rows of context)."""
+
+        @staticmethod
+        def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k: torch.Tensor,
+                    total: torch.Tensor, heads: int, kv_heads: int,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            # What the op computes (the trace only needs the shapes; this is the meaning,
+            # whose int() of a traced tensor the tracer would warn about).
+            warnings.filterwarnings("ignore", category=TracerWarning)
+            batch, seq = q.shape[0], q.shape[1]
+            present_k, present_v = past_k.clone(), past_v.clone()
+            out = torch.empty_like(q)
+            for b in range(batch):
+                end = int(seqlens_k[b]) + 1
+                start = end - seq
+                present_k[b, :, start:end] = k[b].reshape(seq, kv_heads, -1).transpose(0, 1)
+                present_v[b, :, start:end] = v[b].reshape(seq, kv_heads, -1).transpose(0, 1)
+                keys = present_k[b, :, :end].repeat_interleave(heads // kv_heads, dim=0)
+                values = present_v[b, :, :end].repeat_interleave(heads // kv_heads, dim=0)
+                rows = q[b].reshape(seq, heads, -1).transpose(0, 1)
+                scores = torch.matmul(rows, keys.transpose(1, 2)) * scale
+                causal = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+                scores = scores.masked_fill(~causal, float("-inf"))
+                out[b] = torch.matmul(torch.softmax(scores, dim=-1), values) \
+                    .transpose(0, 1).reshape(seq, -1)
+            return out, present_k, present_v
+
+        @staticmethod
+        def symbolic(g: Any, q: Any, k: Any, v: Any, past_k: Any, past_v: Any,
+                     seqlens_k: Any, total: Any, heads: int, kv_heads: int,
+                     scale: float) -> Any:
+            out, present_k, present_v = g.op(
+                "com.microsoft::GroupQueryAttention", q, k, v, past_k, past_v, seqlens_k,
+                total, num_heads_i=heads, kv_num_heads_i=kv_heads, scale_f=scale, outputs=3)
+            out.setType(q.type())
+            present_k.setType(past_k.type())
+            present_v.setType(past_v.type())
+            return out, present_k, present_v
+
     # Function.apply is untyped: typed once here.
     rotate = cast(Callable[..., torch.Tensor], Rotary.apply)
     attend = cast(Callable[..., torch.Tensor], Attention.apply)
+    attend_cached = cast(Callable[..., tuple[torch.Tensor, ...]], CachedAttention.apply)
 
     class VisionMerger(nn.Module):
         """Vision blocks over one image, the merger, and the deepstack mergers."""
@@ -179,29 +237,23 @@ def _modules() -> Any:
             return self.visual.merger(hidden), torch.stack(deepstack)
 
     class LanguageModel(nn.Module):
-        """The decoder with its KV cache as explicit tensors, logits for the last row."""
+        """The decoder over its KV cache (explicit tensors, written in place), logits
+        for the last row."""
 
         def __init__(self, model: Any) -> None:
             super().__init__()
             self.text = model.model.language_model
             self.lm_head = model.lm_head
             self.deepstack_layers = len(model.config.vision_config.deepstack_visual_indexes)
+            self.heads = model.config.text_config.num_attention_heads
+            self.kv_heads = model.config.text_config.num_key_value_heads
 
-        def forward(self, embeds: torch.Tensor, attention_mask: torch.Tensor,
-                    position_ids: torch.Tensor, visual_mask: torch.Tensor,
-                    deepstack: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def forward(self, embeds: torch.Tensor, position_ids: torch.Tensor,
+                    visual_mask: torch.Tensor, deepstack: torch.Tensor,
+                    seqlens_k: torch.Tensor, total: torch.Tensor,
+                    *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
             batch, seq = embeds.shape[0], embeds.shape[1]
-            past_len = past[0].shape[2]
             cos, sin = self.text.rotary_emb(embeds, position_ids)
-            # Causal over absolute positions, and only keys the attention mask keeps.
-            queries = torch.arange(seq) + past_len
-            keys = torch.arange(past_len + seq)
-            allowed = (keys[None, :] <= queries[:, None])[None, None] \
-                & attention_mask[:, None, None, :].bool()
-            bias = torch.zeros(allowed.shape, dtype=embeds.dtype).masked_fill(
-                ~allowed, torch.finfo(embeds.dtype).min)
-            groups = self.text.layers[0].self_attn.num_key_value_groups
-            group_bias = bias.repeat(1, 1, groups, 1)  # row g*S + i is query i
             # Row -> its image row: an add where the mask is set (deepstack), + 0 elsewhere.
             image_row = (torch.cumsum(visual_mask.long(), dim=-1) - 1).clamp(min=0)
             keep = visual_mask[..., None]
@@ -213,20 +265,14 @@ def _modules() -> Any:
                 shape = (batch, seq, -1, attn.head_dim)
                 q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
                 k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
-                v = attn.v_proj(x).view(shape).transpose(1, 2)
+                v = attn.v_proj(x).view(shape)
                 q, k = qwen.apply_rotary_pos_emb(q, k, cos, sin)
-                k = torch.cat((past[2 * index], k), dim=2)
-                v = torch.cat((past[2 * index + 1], v), dim=2)
-                present += [k, v]
-                # Grouped-query attention without repeating K and V for every query head:
-                # the heads sharing a KV head become rows ([B, kv, groups*S, hd]), so a
-                # step reads the cache once instead of writing a copy per group.
-                heads = q.shape[1]
-                q = q.reshape(batch, k.shape[1], groups * seq, attn.head_dim)
-                weights = torch.matmul(q, k.transpose(2, 3)) * attn.scaling + group_bias
-                weights = torch.softmax(weights, dim=-1, dtype=torch.float32)
-                out = torch.matmul(weights, v).reshape(batch, heads, seq, attn.head_dim)
-                out = out.transpose(1, 2).reshape(batch, seq, -1)
+                out, key, value = attend_cached(
+                    q.transpose(1, 2).reshape(batch, seq, -1),
+                    k.transpose(1, 2).reshape(batch, seq, -1), v.reshape(batch, seq, -1),
+                    past[2 * index], past[2 * index + 1], seqlens_k, total, self.heads,
+                    self.kv_heads, attn.scaling)
+                present += [key, value]
                 hidden = hidden + attn.o_proj(out)
                 hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
                 if index < self.deepstack_layers:
@@ -400,40 +446,46 @@ def export_part(src: Path, dst: Path, part: str) -> None:
                 "image_embeds": {0: "tokens"}, "deepstack": {1: "tokens"}})
         return
     _transposed_linears(model, store)  # the decoder's projections and lm_head
-    seq, past_len = 3, 2
+    seq, past_len, capacity = 3, 2, 8
     past_names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
     present_names = [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
     axes: dict[str, dict[int, str]] = {
         "inputs_embeds": {0: "batch", 1: "seq"},
-        "attention_mask": {0: "batch", 1: "total"},
         "position_ids": {1: "batch", 2: "seq"},
         "visual_pos_masks": {0: "batch", 1: "seq"},
         "deepstack_visual_embeds": {1: "visual_rows"},
+        "seqlens_k": {0: "batch"},
         "logits": {0: "batch"},
-        **{name: {0: "batch", 2: "past"} for name in past_names},
-        **{name: {0: "batch", 2: "total"} for name in present_names},
+        **{name: {0: "batch", 2: "capacity"} for name in past_names + present_names},
     }
     visual = torch.tensor([[False, True, False]])
     export(language_model(model),
-           (torch.zeros(1, seq, hidden), torch.ones(1, past_len + seq, dtype=torch.long),
-            torch.arange(seq).expand(3, 1, seq), visual, torch.zeros(k, 1, hidden),
-            *[torch.zeros(1, kv_heads, past_len, head_dim) for _ in past_names]),
+           (torch.zeros(1, seq, hidden), torch.arange(seq).expand(3, 1, seq), visual,
+            torch.zeros(k, 1, hidden), torch.tensor([past_len + seq - 1], dtype=torch.int32),
+            torch.tensor(past_len + seq, dtype=torch.int32),
+            *[torch.zeros(1, kv_heads, capacity, head_dim) for _ in past_names]),
            "language_model",
-           ["inputs_embeds", "attention_mask", "position_ids", "visual_pos_masks",
-            "deepstack_visual_embeds", *past_names], ["logits", *present_names], axes)
+           ["inputs_embeds", "position_ids", "visual_pos_masks", "deepstack_visual_embeds",
+            "seqlens_k", "total_sequence_length", *past_names], ["logits", *present_names],
+           axes)
 
 
 def save_graph(src: Path, dst: Path, weights: str) -> None:
     """Save the graph at ``src`` as ``dst``, its external tensors (if any) gathered into
     one ``dst.data`` file, page-aligned, one tensor in memory at a time: a full-size
     graph is larger than protobuf's 2 GiB and than what fits beside the model in RAM.
-    The metadata entry ``qvld.weights`` says what the weights are (the engine reports it).
+    The metadata entry ``qvld.weights`` says what the weights are (the engine reports it);
+    ``qvld.kv_cache`` that the language model writes its cache in place (graphs without
+    it are an older export the engine asks to be redone).
     """
     import onnx
 
     proto = onnx.load(str(src), load_external_data=False)
     del proto.metadata_props[:]
-    onnx.helper.set_model_props(proto, {"qvld.weights": weights})
+    props = {"qvld.weights": weights}
+    if any(i.name == "seqlens_k" for i in proto.graph.input):  # the language model
+        props["qvld.kv_cache"] = KV_IN_PLACE
+    onnx.helper.set_model_props(proto, props)
     external = [t for t in proto.graph.initializer
                 if t.data_location == onnx.TensorProto.EXTERNAL]
     if external:

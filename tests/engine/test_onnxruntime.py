@@ -108,26 +108,61 @@ def test_a_prefix_shared_in_whole_blocks_is_reused(invariant: bool) -> None:
     assert first.token_ids == second.token_ids == CASES["long"]["token_ids"]
 
 
-def test_kv_cache_stays_in_ort_values_between_steps(engine: Engine) -> None:
+def test_the_kv_cache_is_written_in_place_between_steps(engine: Engine) -> None:
     spec = engine.spec
     with engine.pool.acquire() as slot:
         slot.reset()
         embeds = slot.embed(np.array([5, 6, 7]))
         positions = np.tile(np.arange(3), (3, 1))
         first = slot.step(embeds, positions, np.zeros(3, bool), slot.no_deepstack()).copy()
-        cache = slot._kv  # type: ignore[attr-defined]
+        cache = slot._caches  # type: ignore[attr-defined]
         assert len(cache) == 2 * spec.num_layers
-        assert all(isinstance(v, ort.OrtValue) for v in cache)
-        assert cache[0].shape() == [1, spec.num_kv_heads, 3, spec.head_dim]
+        capacity = cache[0].shape[2]
+        assert cache[0].shape == (1, spec.num_kv_heads, capacity, spec.head_dim)
+        assert capacity >= 4
+        rows = [c[:, :, :3].copy() for c in cache]
         slot.step(slot.embed(np.array([8])), np.full((3, 1), 3), np.zeros(1, bool),
                   slot.no_deepstack())
-        assert slot._kv[0].shape()[2] == 4 and slot.past_len == 4  # type: ignore[attr-defined]
+        # The same buffers: the new row was written after the three, which stayed.
+        assert all(a is b for a, b in zip(slot._caches, cache, strict=True))  # type: ignore[attr-defined]
+        assert slot.past_len == 4
+        for before, after in zip(rows, slot.rows_from(0), strict=True):
+            np.testing.assert_array_equal(after[:, :, :3], before)
+            assert after.shape[2] == 4 and np.abs(after[:, :, 3]).sum() > 0
         # Trimmed to the first 2 rows, the third row again gives the logits it gave.
         slot.trim(2)
         again = slot.step(slot.embed(np.array([7])), np.full((3, 1), 2), np.zeros(1, bool),
                           slot.no_deepstack())
         np.testing.assert_allclose(again, first, rtol=1e-5, atol=1e-5)
         slot.reset()
+
+
+def test_a_cache_that_outgrows_its_buffers_keeps_its_rows(engine: Engine) -> None:
+    from qvld.engine.model.onnxruntime import PRESENT_ROWS
+
+    spec = engine.spec
+    rng = np.random.default_rng(7)
+    past = PRESENT_ROWS - 1
+    kv = [rng.standard_normal((1, spec.num_kv_heads, past, spec.head_dim)).astype(np.float32)
+          for _ in range(2 * spec.num_layers)]
+    with engine.pool.acquire() as one_by_one, engine.pool.acquire() as together:
+        embeds = one_by_one.embed(np.array([11, 12]))
+        positions = np.tile(np.arange(past, past + 2), (3, 1))
+        one_by_one.load_rows(kv)
+        together.load_rows(kv)
+        for i in range(2):  # the second row is the 257th: the buffers grow under it
+            stepped = one_by_one.step(embeds[i:i + 1], positions[:, i:i + 1],
+                                      np.zeros(1, bool), one_by_one.no_deepstack())
+        both = together.step(embeds, positions, np.zeros(2, bool), together.no_deepstack())
+        np.testing.assert_allclose(stepped, both, rtol=1e-4, atol=1e-4)
+        assert one_by_one._caches[0].shape[2] == 2 * PRESENT_ROWS  # type: ignore[attr-defined]
+        for mine, theirs, loaded in zip(one_by_one.rows_from(0), together.rows_from(0), kv,
+                                        strict=True):
+            assert mine.shape[2] == past + 2
+            np.testing.assert_array_equal(mine[:, :, :past], loaded)
+            np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
+        one_by_one.reset()
+        together.reset()
 
 
 def test_runtime_properties_and_threads() -> None:
@@ -276,10 +311,16 @@ def test_every_submodel_has_its_graph() -> None:
         assert {p.key: p.value for p in graph.metadata_props}["qvld.weights"] == "fp32"
     lm = ort.InferenceSession(str(TINY / "onnx_language_model.onnx"))
     inputs = {i.name: i.shape for i in lm.get_inputs()}
-    # Explicit past key/values with dynamic batch and length, not a stateful graph.
-    assert inputs["past_key_values.0.key"] == ["batch", 2, "past", 32]
+    # Explicit past key/values with dynamic batch and capacity, not a stateful graph,
+    # written in place by GroupQueryAttention at each sequence's length.
+    assert inputs["past_key_values.0.key"] == ["batch", 2, "capacity", 32]
     assert inputs["inputs_embeds"] == ["batch", "seq", 128]
+    assert inputs["seqlens_k"] == ["batch"] and inputs["total_sequence_length"] == []
+    assert "attention_mask" not in inputs
     assert [o.name for o in lm.get_outputs()][:2] == ["logits", "present.0.key"]
+    graph = onnx.load(str(TINY / "onnx_language_model.onnx"), load_external_data=False)
+    assert sum(n.op_type == "GroupQueryAttention" for n in graph.graph.node) == 3
+    assert {p.key: p.value for p in graph.metadata_props}["qvld.kv_cache"] == "in-place"
 
 
 @pytest.mark.slow

@@ -8,11 +8,13 @@ giving every block back, how auto resolves, and a real daemon serving this way.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import onnx
 import pytest
 
 from qvld.config import Config
@@ -391,3 +393,34 @@ def test_the_engine_and_check_config_run_what_auto_chooses_on_this_cpu(
     config.write_text(f"model:\n  path: {model}\n")
     assert main(["check-config", "--config", str(config)]) == 0
     assert f"runtime: {expected} ({why})" in capsys.readouterr().out
+
+
+def test_graphs_exported_before_the_in_place_cache_are_passed_over_or_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from qvld.engine.model.model_dir import choose_backend, onnx_outdated
+
+    model = int8_directory(tmp_path)
+    assert onnx_outdated(model) is None
+    graph_path = model / "onnx_language_model.onnx"
+    graph = onnx.load(str(graph_path), load_external_data=False)
+    kept = [p for p in graph.metadata_props if p.key != "qvld.kv_cache"]
+    del graph.metadata_props[:]
+    graph.metadata_props.extend(kept)  # what an older export wrote
+    onnx.save_model(graph, str(graph_path))
+    why = onnx_outdated(model)
+    assert why is not None and f"export-onnx CHECKPOINT {model} --weights int8" in why
+    assert choose_backend(model, "auto", AVX2, True) == (
+        "openvino", "its ONNX graphs were exported by an older qvld: `qvlctl model "
+        "export-onnx` them again")
+    # auto: OpenVINO runs everything (no prompt backend), and the log says how to mend it.
+    with caplog.at_level(logging.WARNING, logger="qvld.engine"):
+        engine = Engine(Config.model_validate({"model": {"path": str(model)}}))
+    assert engine.models.runtime == "openvino" and engine.models.prompt is None
+    assert "exported by an older qvld" in caplog.text
+    assert len(ask(engine, CASES["image_photo"]).token_ids) == CASES["image_photo"][
+        "max_new_tokens"]
+    # Named, it is a typed error that says the same.
+    for named in ({"backend": "onnxruntime"}, {"backend": "openvino",
+                                                "prompt_backend": "onnxruntime"}):
+        with pytest.raises(ModelInvalid, match="exported by an older qvld"):
+            Engine(Config.model_validate({"model": {"path": str(model), **named}}))

@@ -29,7 +29,13 @@ from typing import Any
 
 from qvld.config import EngineConfig, ModelConfig
 from qvld.engine.model.interface import Models, Slot
-from qvld.engine.model.model_dir import VISION_SUBMODELS, ModelSpec, onnx_path, onnx_weights
+from qvld.engine.model.model_dir import (
+    VISION_SUBMODELS,
+    ModelSpec,
+    onnx_outdated,
+    onnx_path,
+    onnx_weights,
+)
 from qvld.errors import ModelInvalid
 
 
@@ -77,7 +83,8 @@ def _prompt_models(spec: ModelSpec, model_cfg: ModelConfig, engine_cfg: EngineCo
     if choice == "auto":
         # Float graphs are no faster than OpenVINO's: only int8 ones are worth loading.
         if not (graphs and engine_cfg.continuous_batching
-                and onnx_weights(onnx_path(spec.path, "language_model")) == "int8"):
+                and onnx_weights(onnx_path(spec.path, "language_model")) == "int8"
+                and not onnx_outdated(spec.path)):
             return None
         try:
             import onnxruntime  # noqa: F401

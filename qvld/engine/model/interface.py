@@ -9,7 +9,7 @@ runtime.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -67,16 +67,22 @@ class RowsSlot(Slot, Protocol):
 
 
 class BatchSlot(RowsSlot, Protocol):
-    """A slot whose cache holds several sequences side by side (``load_rows`` with
-    ``[sequences, heads, rows, head_dim]`` arrays) and steps them in one inference: the
-    decode lane of ``slot_paged.SlotPaged`` (ONNX Runtime's graphs take the KV cache
-    as batched inputs)."""
+    """A slot whose cache holds several sequences side by side, each at its own length,
+    and steps them in one inference: the decode lane of ``slot_paged.SlotPaged`` (ONNX
+    Runtime's graphs take the KV cache as batched inputs)."""
 
-    def step_batch(self, embeds: np.ndarray, positions: np.ndarray,
-                   attention_mask: np.ndarray) -> np.ndarray:
-        """One new row per sequence: ``embeds`` [B,1,H], ``positions`` [3,B,1],
-        ``attention_mask`` [B, past_len + 1] (0 where a column is padding). Returns the
-        logits [B,V] (a copy); the cache grows by one column."""
+    def load_batch(self, lengths: list[int],
+                   fill: Callable[[int, list[np.ndarray]], None]) -> None:
+        """Replace the cache with ``len(lengths)`` sequences: ``fill(i, rows)`` writes
+        sequence i's rows into ``rows``, one ``[heads, lengths[i], head_dim]`` array per
+        cache (views of the slot's own buffers)."""
+
+    def step_batch(self, embeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One new row per sequence (``embeds`` [B,1,H], ``positions`` [3,B,1]) after
+        its rows; the logits [B,V] (a copy)."""
+
+    def new_rows(self) -> list[np.ndarray]:
+        """The rows the last ``step_batch`` added: [B, heads, 1, head_dim] per cache."""
 
 
 class SlotBase:

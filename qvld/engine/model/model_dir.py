@@ -160,24 +160,45 @@ def onnx_path(path: Path, submodel: str) -> Path:
     return path / f"onnx_{submodel}.onnx"
 
 
-_WEIGHTS_KEY = b"\x0a\x0cqvld.weights\x12"  # StringStringEntryProto: key (1), then value (2)
-
-
-def onnx_weights(graph: Path) -> str | None:
-    """What ``qvlctl model export-onnx`` wrote as a graph's ``qvld.weights`` metadata
-    ("int8", "fp32"), read from the file's bytes without onnx or onnxruntime; None when
-    absent. The metadata follows the graph in the file: its tail is enough when the
-    weights are inline."""
+def onnx_metadata(graph: Path, key: str) -> str | None:
+    """A metadata entry ``qvlctl model export-onnx`` wrote into a graph (``qvld.weights``:
+    "int8", "fp32"; ``qvld.kv_cache``), read from the file's bytes without onnx or
+    onnxruntime; None when absent. The metadata follows the graph in the file: its tail
+    is enough when the weights are inline."""
     size = graph.stat().st_size
     with graph.open("rb") as f:
         f.seek(max(0, size - (1 << 20)))
         tail = f.read()
-    at = tail.rfind(_WEIGHTS_KEY)
-    if at < 0 or at + len(_WEIGHTS_KEY) >= len(tail):
+    # A StringStringEntryProto: the key (field 1), then the value (field 2).
+    entry = b"\x0a" + bytes([len(key)]) + key.encode() + b"\x12"
+    at = tail.rfind(entry)
+    if at < 0 or at + len(entry) >= len(tail):
         return None
-    length = tail[at + len(_WEIGHTS_KEY)]  # a varint: these values are short
-    value = tail[at + len(_WEIGHTS_KEY) + 1:at + len(_WEIGHTS_KEY) + 1 + length]
+    length = tail[at + len(entry)]  # a varint: these values are short
+    value = tail[at + len(entry) + 1:at + len(entry) + 1 + length]
     return value.decode("utf-8", "replace") if length < 128 else None
+
+
+def onnx_weights(graph: Path) -> str | None:
+    """A graph's ``qvld.weights`` ("int8", "fp32"), or None."""
+    return onnx_metadata(graph, "qvld.weights")
+
+
+# How the language model's graph holds its KV cache (``qvld.kv_cache``): "in-place",
+# GroupQueryAttention writing new rows into the buffer the past came in. Graphs exported
+# before have no entry: each step concatenated the past with the new rows.
+KV_IN_PLACE = "in-place"
+
+
+def onnx_outdated(path: Path) -> str | None:
+    """Why the ONNX language model in directory ``path`` cannot run here, or None: one
+    exported before its KV cache was written in place."""
+    graph = onnx_path(path, "language_model")
+    if not graph.is_file() or onnx_metadata(graph, "qvld.kv_cache") == KV_IN_PLACE:
+        return None
+    return (f"{graph.name} was exported by an older qvld (its KV cache is copied every "
+            f"step): export it again, `qvlctl model export-onnx CHECKPOINT {path} "
+            "--weights int8`")
 
 
 # The graph files each backend reads, and the command that writes them.
@@ -234,6 +255,9 @@ def choose_backend(path: Path, backend: str, cpu_flags: set[str],
         return "onnxruntime", "the directory holds ONNX graphs and no OpenVINO IR"
     if prompt_backend == "onnxruntime":
         return "openvino", "model.prompt_backend asks for ONNX Runtime beside OpenVINO"
+    if onnx_outdated(path):
+        return "openvino", ("its ONNX graphs were exported by an older qvld: `qvlctl model "
+                            "export-onnx` them again")
     if onnx_weights(onnx_path(path, "language_model")) != "int8":
         return "openvino", "its ONNX graphs have float weights (no faster than the IR)"
     if not onnxruntime_installed:

@@ -1,10 +1,11 @@
 """The ONNX Runtime backend, the only module that imports onnxruntime.
 
 One InferenceSession per submodel (``onnx_*.onnx`` from ``qvlctl model export-onnx``),
-shared by every slot: a session's ``run`` is thread-safe. A ``Slot`` owns its KV cache as
-the language model's last ``present.*`` outputs, kept as OrtValues and bound straight
-back as the next step's ``past_key_values.*`` inputs (I/O binding): the cache never
-passes through numpy between steps.
+shared by every slot: a session's ``run`` is thread-safe. A ``Slot`` owns its KV cache:
+one f32 buffer per layer's keys and values, ``[sequences, kv heads, capacity, head dim]``,
+bound (I/O binding) as both the ``past_key_values.*`` input and the ``present.*``
+output, which the graph's GroupQueryAttention writes the new rows into in place. A step
+copies no cache row; the buffers grow ``PRESENT_ROWS`` rows at a time.
 
 Sessions run with every graph optimisation (ORT_ENABLE_ALL), sequential execution,
 ``engine.threads`` intra-op threads (the pinned cores, from tuning), one inter-op thread,
@@ -16,9 +17,9 @@ length), so a planned pattern never repeats.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ import onnxruntime as ort
 
 from qvld.config import EngineConfig, ModelConfig
 from qvld.engine.model.interface import SlotBase
-from qvld.engine.model.model_dir import SUBMODELS, ModelSpec
+from qvld.engine.model.model_dir import SUBMODELS, ModelSpec, onnx_outdated
 from qvld.engine.model.slot_paged import BLOCK_ROWS, KvLayout, SlotPaged
 from qvld.errors import ModelInvalid
 
@@ -67,7 +68,7 @@ def register_shared_arena() -> None:
         _arena_registered = True
 
 
-# Rows the step buffers grow by (a decoding sequence reallocates once in this many steps).
+# Rows a cache buffer grows by (a decoding sequence reallocates once in this many steps).
 PRESENT_ROWS = 256
 
 # Run option: the arena frees its unused regions when the run ends (prompts and images,
@@ -105,12 +106,15 @@ class SessionModels:
         lm = self.sessions["language_model"]
         self.past_names = [i.name for i in lm.get_inputs() if i.name.startswith("past_key_values.")]
         self.present_names = [o.name for o in lm.get_outputs() if o.name.startswith("present.")]
+        outdated = onnx_outdated(spec.path)
+        if outdated or "seqlens_k" not in {i.name for i in lm.get_inputs()}:
+            raise ModelInvalid(outdated or "onnx_language_model.onnx takes no seqlens_k: "
+                               "export it again with `qvlctl model export-onnx`")
         if len(self.past_names) != 2 * spec.num_layers or \
                 len(self.present_names) != len(self.past_names):
             raise ModelInvalid(f"onnx_language_model.onnx has {len(self.past_names)} past "
                                f"key/value inputs; {2 * spec.num_layers} expected")
         self.hidden_size = spec.hidden_size
-        self.kv_shape = (1, spec.num_kv_heads, 0, spec.head_dim)
         self.deepstack_layers = spec.vision.deepstack_layers
         # A large graph's weights (its .data file) may be mapped; the MatMul weights are
         # prepacked into memory of ORT's own, so the mapped pages can be dropped.
@@ -147,6 +151,13 @@ class SessionModels:
         return SlotPaged(self.new_slot, slots, num_blocks, self.kv_layout, lane=lane)
 
 
+def _view(value: ort.OrtValue) -> np.ndarray:
+    """An f32 CPU OrtValue as a numpy view of its memory (valid while it lives)."""
+    shape = tuple(value.shape())
+    view: np.ndarray = np.asarray(_Memory(value.data_ptr(), shape))
+    return view
+
+
 class _Memory:
     """An f32 buffer at an address, as numpy's array interface describes one."""
 
@@ -155,22 +166,23 @@ class _Memory:
                                     "typestr": "<f4", "version": 3}
 
 
-def _view(value: ort.OrtValue) -> np.ndarray:
-    """An f32 CPU OrtValue as a numpy view of its memory (valid while it lives)."""
-    shape = tuple(value.shape())
-    if not math.prod(shape):
-        return np.zeros(shape, np.float32)
-    view: np.ndarray = np.asarray(_Memory(value.data_ptr(), shape))
-    return view
-
-
 def _first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
 
 
+def _capacity(rows: int) -> int:
+    return max(1, -(-rows // PRESENT_ROWS)) * PRESENT_ROWS
+
+
 class Slot(SlotBase):
-    """One generation's KV cache (OrtValues bound between steps) and step buffers."""
+    """One generation's KV cache (``BatchSlot``: or several side by side, the decode
+    lane's) and its step's I/O binding.
+
+    The cache is ``self._caches`` (keys then values of each layer), each ``[sequences,
+    kv heads, capacity, head dim]``; sequence b's rows are ``[0, self._lengths[b])``,
+    the rest unused. One sequence (``step``, ``load_rows``) keeps ``past_len`` and
+    ``_lengths[0]`` equal."""
 
     def __init__(self, models: SessionModels) -> None:
         super().__init__(models.deepstack_layers, models.hidden_size)
@@ -184,15 +196,9 @@ class Slot(SlotBase):
         self._merger_takes_mask = self._merger is not None and "attention_mask" in {
             i.name for i in self._merger.get_inputs()}
         self._binding = self._lm.io_binding()
-        self._empty = np.zeros(models.kv_shape, dtype=np.float32)
-        # The cache: the last step's present.* outputs, or arrays after a trim (kept
-        # alive here: an OrtValue made from numpy does not own its memory).
-        self._kv: list[ort.OrtValue] = []
-        self._kv_arrays: list[np.ndarray] = []
-        # Flat buffers: those the cache is in (when a step wrote it), and the others.
-        self._kv_buffers: list[np.ndarray] = []
-        self._spare_buffers: list[np.ndarray] = []
-        self._present_buffers: list[np.ndarray] = []
+        self._layout = models.kv_layout
+        self._caches: list[np.ndarray] = []
+        self._lengths = np.zeros(1, np.int32)
         self._logits_value: ort.OrtValue | None = None
         self.reset()
 
@@ -200,39 +206,55 @@ class Slot(SlotBase):
         with self._running():
             return list(session.run(None, inputs, _SHRINK))
 
-    def _hold(self, arrays: list[np.ndarray]) -> None:
-        self._kv_arrays = arrays
-        self._kv_buffers = []  # not in the two step buffers (a trim, a load, empty)
-        self._kv = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+    def _allocate(self, sequences: int, capacity: int) -> list[np.ndarray]:
+        layout = self._layout
+        return [np.empty((sequences, layout.heads, capacity, layout.head_dim), np.float32)
+                for _ in range(layout.caches)]
 
-    def _present_arrays(self, shape: tuple[int, int, int, int]) -> list[np.ndarray]:
-        """One array of ``shape`` per present output, in the spare step buffers (grown
-        in steps of PRESENT_ROWS rows): the cache alternates between two sets of
-        buffers, so a decoding sequence allocates (and faults in) nothing per token."""
-        need = math.prod(shape)
-        spare = self._spare_buffers
-        if len(spare) != len(self._models.present_names) or spare[0].size < need:
-            rows = -(-shape[2] // PRESENT_ROWS) * PRESENT_ROWS
-            size = shape[0] * shape[1] * rows * shape[3]
-            spare = [np.empty(size, np.float32) for _ in self._models.present_names]
-        self._present_buffers = spare
-        return [buffer[:need].reshape(shape) for buffer in spare]
+    def _make_room(self, rows: int) -> None:
+        """Grow the buffers to hold ``rows`` rows per sequence, keeping those held."""
+        sequences = len(self._lengths)
+        if self._caches and self._caches[0].shape[2] >= rows \
+                and self._caches[0].shape[0] == sequences:
+            return
+        held = int(self._lengths.max()) if self._caches else 0
+        grown = self._allocate(sequences, _capacity(rows))
+        for new, old in zip(grown, self._caches, strict=False):
+            new[:, :, :held] = old[:, :, :held]
+        self._caches = grown
 
     def _drop_cache(self) -> None:
-        self._hold([self._empty] * len(self._models.past_names))
-        self._spare_buffers = []  # a reset slot holds no memory for a cache
+        self._caches = []  # a reset slot holds no memory for a cache
+        self._lengths = np.zeros(1, np.int32)
 
     def _truncate_cache(self, keep: int) -> None:
-        # [batch, kv_heads, seq, head_dim]: the first ``keep`` rows of every layer.
-        self._hold([np.ascontiguousarray(value.numpy()[:, :, :keep]) for value in self._kv])
+        self._lengths[0] = keep  # the rows after it are never read, and are overwritten
 
     def load_rows(self, kv: list[np.ndarray]) -> None:
-        self._hold([np.ascontiguousarray(a, dtype=np.float32) for a in kv])
-        self.past_len = kv[0].shape[2]
+        rows = kv[0].shape[2]
+        self._caches = self._allocate(1, _capacity(rows + 1))
+        for cache, array in zip(self._caches, kv, strict=True):
+            cache[:, :, :rows] = array
+        self._lengths = np.array([rows], np.int32)
+        self.past_len = rows
 
     def rows_from(self, start: int) -> list[np.ndarray]:
-        # Views of the cache's own memory (numpy() would copy every row, every step).
-        return [_view(value)[:, :, start:] for value in self._kv]
+        # Views of the cache's own memory, valid until the next step, trim or reset.
+        return [cache[:, :, start:self.past_len] for cache in self._caches]
+
+    def load_batch(self, lengths: list[int],
+                   fill: Callable[[int, list[np.ndarray]], None]) -> None:
+        """``BatchSlot.load_batch``: the cache becomes ``len(lengths)`` sequences."""
+        self._caches = self._allocate(len(lengths), _capacity(max(lengths) + 1))
+        for row, length in enumerate(lengths):
+            fill(row, [cache[row, :, :length] for cache in self._caches])
+        self._lengths = np.array(lengths, np.int32)
+        self.past_len = 0  # per sequence: self._lengths
+
+    def new_rows(self) -> list[np.ndarray]:
+        """``BatchSlot.new_rows``: each sequence's last row, [B, kv heads, 1, head dim]."""
+        sequences = np.arange(len(self._lengths))
+        return [cache[sequences, :, self._lengths - 1][:, :, None] for cache in self._caches]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         out = self._run(self._embed, {"input": ids.reshape(1, -1).astype(np.int64)})
@@ -241,61 +263,56 @@ class Slot(SlotBase):
     def step(self, embeds: np.ndarray, positions: np.ndarray, visual_mask: np.ndarray,
              deepstack: np.ndarray) -> np.ndarray:
         seq = embeds.shape[0]
-        logits = self._infer(embeds.reshape(1, seq, -1),
-                             self._attention_mask(self.past_len + seq),
-                             positions.reshape(3, 1, seq), visual_mask.reshape(1, seq), deepstack)
+        self._lengths[0] = self.past_len
+        logits = self._infer(embeds.reshape(1, seq, -1), positions.reshape(3, 1, seq),
+                             visual_mask.reshape(1, seq), deepstack)
+        self.past_len += seq
         return self._keep_logits(logits[0])
 
-    def step_batch(self, embeds: np.ndarray, positions: np.ndarray,
-                   attention_mask: np.ndarray) -> np.ndarray:
-        """``BatchSlot.step_batch``: B sequences' next rows over the batched cache."""
-        batch, seq = embeds.shape[0], embeds.shape[1]
-        logits = self._infer(embeds, attention_mask, positions, np.zeros((batch, seq), bool),
-                             self._no_deepstack)
+    def step_batch(self, embeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``BatchSlot.step_batch``: one new row for each sequence of the cache."""
+        batch = embeds.shape[0]
+        logits = self._infer(embeds, positions, np.zeros((batch, 1), bool), self._no_deepstack)
         return np.array(logits)
 
-    def _infer(self, embeds: np.ndarray, attention_mask: np.ndarray, positions: np.ndarray,
-               visual_mask: np.ndarray, deepstack: np.ndarray) -> np.ndarray:
-        """The language model over the cache: ``embeds`` [B,S,H] -> the last rows'
-        logits [B,V] (a view of the output, valid until the next call)."""
+    def _infer(self, embeds: np.ndarray, positions: np.ndarray, visual_mask: np.ndarray,
+               deepstack: np.ndarray) -> np.ndarray:
+        """The language model: ``embeds`` [B,S,H] after each sequence's ``_lengths``
+        rows, written into the cache in place -> the last rows' logits [B,V] (a view of
+        the output, valid until the next call)."""
         seq = embeds.shape[1]
+        self._make_room(int(self._lengths.max()) + seq)
+        totals = self._lengths + seq
         binding = self._binding
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
-        # Held in a local until the run returns: the binding may point into them.
+        # Held in a local until the run returns: the binding points into them.
         inputs = {
             "inputs_embeds": np.ascontiguousarray(embeds, dtype=np.float32),
-            "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
             "position_ids": np.ascontiguousarray(positions, dtype=np.int64),
             "visual_pos_masks": np.ascontiguousarray(visual_mask, dtype=bool),
             "deepstack_visual_embeds": np.ascontiguousarray(deepstack, dtype=np.float32),
+            "seqlens_k": (totals - 1).astype(np.int32),
+            "total_sequence_length": np.array(totals.max(), np.int32),
         }
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
-        for name, value in zip(self._models.past_names, self._kv, strict=True):
-            binding.bind_ortvalue_input(name, value)
+        # Each cache buffer is the past and the present: the graph writes the new rows
+        # at each sequence's length and reads the rows before them where they are.
+        names = zip(self._models.past_names, self._models.present_names, self._caches,
+                    strict=True)
+        for past, present, cache in names:
+            binding.bind_cpu_input(past, cache)
+            binding.bind_output(present, "cpu", 0, np.float32, list(cache.shape),
+                                cache.ctypes.data)
         binding.bind_output("logits", "cpu")
-        # The presents go into buffers of ours, not ORT's arena: each step's are one row
-        # longer than the last's, which an arena that grows by what is asked never
-        # reuses (it grew by a whole KV cache a token: 1.8 GB over 64 tokens here).
-        batch, heads, past, head_dim = self._kv[0].shape()
-        presents = self._present_arrays((batch, heads, past + seq, head_dim))
-        for name, array in zip(self._models.present_names, presents, strict=True):
-            binding.bind_output(name, "cpu", 0, np.float32, list(array.shape),
-                                array.ctypes.data)
         with self._running():
             # A prompt's activations are returned to the system after its run: prompts
             # of every length would otherwise each leave regions the arena keeps.
             self._lm.run_with_iobinding(binding, _SHRINK if seq > 1 else None)
-        outputs = binding.get_outputs()
-        # The presents become the cache: the next step binds them as its pasts, and
-        # the buffers the pasts were in take the step after's presents.
-        spare = self._kv_buffers
-        self._hold(presents)
-        self._kv_buffers, self._spare_buffers = self._present_buffers, spare
-        self.past_len += seq
-        self._logits_value = outputs[0]  # keeps the view below alive
-        return _view(outputs[0])[:, -1]
+        self._lengths = totals
+        self._logits_value = binding.get_outputs()[-1]  # keeps the view below alive
+        return _view(self._logits_value)[:, -1]
 
     def vision_patches(self, patches: np.ndarray) -> np.ndarray:
         rows = np.ascontiguousarray(patches, dtype=np.float32)

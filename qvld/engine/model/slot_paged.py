@@ -100,18 +100,11 @@ class _Mirror(_Held):
 @dataclass(eq=False)
 class _Lane:
     """The decode lane: several sequences' caches side by side in one slot's batch
-    (``BatchSlot``), ``[members, heads, width, head dim]`` per cache. Each member's rows
-    are right-aligned: the columns before them are padding its attention-mask row hides,
-    so every new row lands in the same last column for all and no member's rows ever
-    have a hole. Positions are explicit inputs, so the padding moves no rotary angle."""
+    (``BatchSlot``), each at its own length; the slot writes each step's new row after
+    each one's rows, and positions are explicit inputs."""
 
     slot: BatchSlot
     members: list[_Held] = field(default_factory=list)
-    mask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
-
-    @property
-    def width(self) -> int:
-        return int(self.mask.shape[1])
 
     def order_of(self, tables: list[np.ndarray], pasts: list[int],
                  current: np.ndarray) -> list[int] | None:
@@ -290,15 +283,14 @@ class SlotPaged:
         if order is None:
             self._fill_lane(lane, seq_tables, pasts)
             order = list(range(len(laned)))
-        width, hidden = lane.width, embeds.shape[1]
+        hidden = embeds.shape[1]
         batch_embeds = np.empty((len(laned), 1, hidden), np.float32)
         batch_positions = np.empty((positions.shape[0], len(laned), 1), np.int64)
         for i, row in zip(laned, order, strict=True):
             batch_embeds[row, 0] = embeds[begins[i]]
             batch_positions[:, row, 0] = positions[:, begins[i]]
-        lane.mask = np.concatenate([lane.mask, np.ones((len(laned), 1), np.int64)], axis=1)
-        logits = lane.slot.step_batch(batch_embeds, batch_positions, lane.mask)
-        new_rows = lane.slot.rows_from(width)  # [members, heads, 1, head dim] each
+        logits = lane.slot.step_batch(batch_embeds, batch_positions)
+        new_rows = lane.slot.new_rows()  # [members, heads, 1, head dim] each
         for blocks, past, row in zip(seq_tables, pasts, order, strict=True):
             self.write_rows(blocks, past, [cache[row:row + 1] for cache in new_rows])
         for blocks, past, row in zip(seq_tables, pasts, order, strict=True):
@@ -306,23 +298,19 @@ class SlotPaged:
         return logits[order]
 
     def _fill_lane(self, lane: _Lane, tables: list[np.ndarray], pasts: list[int]) -> None:
-        """Load the lane with these sequences' rows from their blocks, right-aligned."""
-        width = max(pasts)
-        batch = len(pasts)
-        kv = [np.zeros((batch, cache.shape[1], width, cache.shape[3]), np.float32)
-              for cache in self._caches]
-        lane.mask = np.zeros((batch, width), np.int64)
+        """Load the lane with these sequences' rows from their blocks."""
+
+        def fill(row: int, rows: list[np.ndarray]) -> None:
+            for block, lo, n, at in self._spans(tables[row], 0, pasts[row]):
+                for cache, out in zip(self._caches, rows, strict=True):
+                    out[:, at:at + n] = cache[block, :, lo:lo + n]
+
+        lane.slot.load_batch(pasts, fill)
         lane.members = []
-        for row, (blocks, past) in enumerate(zip(tables, pasts, strict=True)):
-            pad = width - past
-            for block, lo, n, at in self._spans(blocks, 0, past):
-                for cache, rows in zip(self._caches, kv, strict=True):
-                    rows[row, :, pad + at:pad + at + n] = cache[block, :, lo:lo + n]
-            lane.mask[row, pad:] = 1
+        for blocks, past in zip(tables, pasts, strict=True):
             member = _Held()
             member.record(blocks, past, self._versions)
             lane.members.append(member)
-        lane.slot.load_rows(kv)
         self.lane_loads += 1
         # A slot that prefilled one of these holds a copy the lane now has: drop it
         # (an f32 cache of a 2 000-row clip is 0.5 GB, twice over in a slot's buffers).
