@@ -16,9 +16,10 @@ from qvld.engine.model.model_dir import SUBMODELS, onnx_path
 from qvld.modeltools.onnx_int8 import quantize_columns, quantize_graph
 from tests.conftest import TINY
 
-# Sizes for the graphs' named dynamic axes (a 4-patch merge block, 2 cached rows).
-AXES = {"batch": 1, "seq": 3, "past": 2, "total": 5, "visual_rows": 1, "patches": 16,
-        "tokens": 4}
+# Sizes for the graphs' named dynamic axes (a 4-patch merge block; 3 new rows after 2
+# cached ones in a cache buffer of 8).
+AXES = {"batch": 1, "seq": 3, "capacity": 8, "visual_rows": 1, "patches": 16, "tokens": 4}
+PAST, SEQ = 2, 3
 
 
 def ort_quantized(src: Path, dst: Path) -> None:
@@ -32,8 +33,10 @@ def feeds(session: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for spec in session.get_inputs():
         shape = [d if isinstance(d, int) else AXES[d] for d in spec.shape]
-        if spec.name == "attention_mask":
-            out[spec.name] = np.ones(shape, np.int64)
+        if spec.name == "seqlens_k":
+            out[spec.name] = np.array([PAST + SEQ - 1], np.int32)
+        elif spec.name == "total_sequence_length":
+            out[spec.name] = np.array(PAST + SEQ, np.int32)
         elif spec.name == "visual_pos_masks":
             out[spec.name] = np.array([[False, True, False]])
         elif spec.type == "tensor(int64)":
