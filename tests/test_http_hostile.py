@@ -439,7 +439,8 @@ def test_ten_thousand_connections(daemon: HttpDaemon) -> None:
         # timer closed it (the empty reply); none was reset or left hanging. A slot holds
         # one idle connection per read timeout, so at most this many were held:
         held = MAX_CONNECTIONS * (elapsed / READ_TIMEOUT_S + 1)
-        assert set(replies) <= {"HTTP/1.1 429", ""} and replies.total() == 10_000, replies
+        assert set(replies) <= {"HTTP/1.1 429", ""} and replies.total() == 10_000, (
+            replies, f"{elapsed:.1f} s", f"{open_fds(daemon.proc.pid)} descriptors open")
         assert replies[""] <= held, (replies, elapsed)
         print(f"10 000 connections: {dict(replies)} within {elapsed:.1f} s")
         # The daemon holds no more than its limit; the socket side serves meanwhile.
