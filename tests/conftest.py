@@ -180,6 +180,19 @@ def load_reference(path: Path) -> dict[str, Any]:
     return dict(json.loads((path / "reference.json").read_text(encoding="utf-8")))
 
 
+def outdate_onnx_graphs(model: Path) -> None:
+    """The directory's language-model graph as an older qvld exported it (without the
+    ``qvld.kv_cache`` metadata that says its KV cache is written in place)."""
+    import onnx
+
+    path = model / "onnx_language_model.onnx"
+    graph = onnx.load(str(path), load_external_data=False)
+    kept = [p for p in graph.metadata_props if p.key != "qvld.kv_cache"]
+    del graph.metadata_props[:]
+    graph.metadata_props.extend(kept)
+    onnx.save_model(graph, str(path))
+
+
 def with_image_bytes(messages: list[dict[str, Any]], model_dir: Path) -> list[dict[str, Any]]:
     """Reference messages name image and video files; the engine takes their bytes."""
     out = []

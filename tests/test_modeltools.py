@@ -20,7 +20,7 @@ from qvld.engine import Engine
 from qvld.engine.model.model_dir import SUBMODELS
 from qvld.errors import ModelInvalid
 from qvld.modeltools.convert import ExportProgress, add_beside_ir, write_model
-from tests.conftest import TINY, wait_for
+from tests.conftest import TINY, outdate_onnx_graphs, wait_for
 
 
 def graphs_of(submodel: str) -> list[Path]:
@@ -155,6 +155,35 @@ def test_a_directory_with_graphs_already_is_left_alone(
     assert add_beside_ir(str(TINY), model, "to ONNX", lambda s, o: ran.append(o)) == 2
     assert "already holds ONNX graphs" in capsys.readouterr().err
     assert not ran and state(model) == before
+
+
+def test_graphs_an_older_qvld_exported_are_replaced_and_put_back_if_the_new_do_not_serve(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qvld.engine.model.model_dir import onnx_outdated
+
+    model = tmp_path / "models" / "both"
+    shutil.copytree(TINY, model, ignore=shutil.ignore_patterns("images"))
+    outdate_onnx_graphs(model)
+    why = onnx_outdated(model)
+    assert why is not None and f"export-onnx CHECKPOINT {model} --weights int8` replaces" in why
+    before = state(model)
+
+    def broken(out: Path) -> None:
+        (out / "onnx_language_model.onnx").write_bytes(b"not a graph")
+
+    with pytest.raises(ModelInvalid, match=r"onnx_language_model\.onnx cannot be loaded"):
+        add_beside_ir(str(TINY), model, "to ONNX", onnx_export_of(TINY, broken))
+    assert state(model) == before and list((tmp_path / "models").iterdir()) == [model]
+    assert add_beside_ir(str(TINY), model, "to ONNX", onnx_export_of(TINY)) == 0
+    assert "replacing the graphs an older qvld exported" in capsys.readouterr().err
+    assert onnx_outdated(model) is None and state(model) == state(TINY) | {
+        name: data for name, data in before.items() if not name.startswith("onnx_")}
+    assert list((tmp_path / "models").iterdir()) == [model]
+    # An ONNX-only directory is exported anew beside it.
+    alone = tmp_path / "onnx-only"
+    shutil.copytree(TINY, alone, ignore=shutil.ignore_patterns("openvino_*", "images"))
+    outdate_onnx_graphs(alone)
+    assert "export-onnx CHECKPOINT NEW_DIR --weights int8` exports" in str(onnx_outdated(alone))
 
 
 def test_graphs_of_another_checkpoint_are_refused(

@@ -24,6 +24,7 @@ from qvld.engine.model.model_dir import (
     SUBMODELS,
     ir_path,
     load_model_spec,
+    onnx_outdated,
     onnx_path,
     onnx_weights,
     processor_settings,
@@ -278,7 +279,8 @@ def add_beside_ir(src: str, dst: Path, what: str,
     images and prompts on ONNX Runtime, or they are taken out again: ``dst`` ends as it
     was or serving both ways."""
     present = sorted(p.name for p in dst.glob("onnx_*"))
-    if present:
+    outdated = onnx_outdated(dst)
+    if present and not outdated:
         _say(f"{dst} already holds ONNX graphs ({', '.join(present)}); remove them "
              "(rm DIR/onnx_*) to export them again")
         return 2
@@ -288,6 +290,14 @@ def add_beside_ir(src: str, dst: Path, what: str,
             _say(f"not added: {mismatch}; export the checkpoint {dst} was converted from, "
                  "or into a new directory")
             return 2
+        # Graphs an older qvld exported are replaced: kept aside until the new ones
+        # serve, put back if they do not.
+        before = partial / ".before"
+        before.mkdir()
+        if outdated:
+            _say(f"replacing the graphs an older qvld exported ({', '.join(present)})")
+        for name in present:
+            (dst / name).rename(before / name)
         moved: list[Path] = []
         try:
             for graph in sorted(partial.glob("onnx_*")):
@@ -298,6 +308,8 @@ def add_beside_ir(src: str, dst: Path, what: str,
         except BaseException:
             for path in moved:  # the directory as it was
                 path.unlink(missing_ok=True)
+            for name in present:
+                (before / name).rename(dst / name)
             raise
     auto = onnx_weights(onnx_path(dst, "language_model")) == "int8"
     from qvld.config import ModelConfig

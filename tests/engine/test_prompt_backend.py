@@ -14,14 +14,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-import onnx
 import pytest
 
 from qvld.config import Config
 from qvld.engine import Engine, GenerateRequest
 from qvld.errors import ModelInvalid
 from qvld.modeltools.onnx_export import quantize_int8
-from tests.conftest import TINY, Daemon, free_port, load_reference, scrape, with_image_bytes
+from tests.conftest import (
+    TINY,
+    Daemon,
+    free_port,
+    load_reference,
+    outdate_onnx_graphs,
+    scrape,
+    with_image_bytes,
+)
 
 REFERENCE = load_reference(TINY)
 CASES = {c["name"]: c for c in REFERENCE["cases"]}
@@ -401,12 +408,7 @@ def test_graphs_exported_before_the_in_place_cache_are_passed_over_or_refused(
 
     model = int8_directory(tmp_path)
     assert onnx_outdated(model) is None
-    graph_path = model / "onnx_language_model.onnx"
-    graph = onnx.load(str(graph_path), load_external_data=False)
-    kept = [p for p in graph.metadata_props if p.key != "qvld.kv_cache"]
-    del graph.metadata_props[:]
-    graph.metadata_props.extend(kept)  # what an older export wrote
-    onnx.save_model(graph, str(graph_path))
+    outdate_onnx_graphs(model)  # what an older export wrote
     why = onnx_outdated(model)
     assert why is not None and f"export-onnx CHECKPOINT {model} --weights int8" in why
     assert choose_backend(model, "auto", AVX2, True) == (

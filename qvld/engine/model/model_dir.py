@@ -196,9 +196,11 @@ def onnx_outdated(path: Path) -> str | None:
     graph = onnx_path(path, "language_model")
     if not graph.is_file() or onnx_metadata(graph, "qvld.kv_cache") == KV_IN_PLACE:
         return None
+    how = (f"`qvlctl model export-onnx CHECKPOINT {path} --weights int8` replaces them"
+           if ir_path(path, "language_model").is_file() else
+           "`qvlctl model export-onnx CHECKPOINT NEW_DIR --weights int8` exports them again")
     return (f"{graph.name} was exported by an older qvld (its KV cache is copied every "
-            f"step): export it again, `qvlctl model export-onnx CHECKPOINT {path} "
-            "--weights int8`")
+            f"step): {how}")
 
 
 # The graph files each backend reads, and the command that writes them.
