@@ -411,9 +411,7 @@ def test_graphs_exported_before_the_in_place_cache_are_passed_over_or_refused(
     outdate_onnx_graphs(model)  # what an older export wrote
     why = onnx_outdated(model)
     assert why is not None and f"export-onnx CHECKPOINT {model} --weights int8" in why
-    assert choose_backend(model, "auto", AVX2, True) == (
-        "openvino", "its ONNX graphs were exported by an older qvld: `qvlctl model "
-        "export-onnx` them again")
+    assert choose_backend(model, "auto", AVX2, True) == ("openvino", why)
     # auto: OpenVINO runs everything (no prompt backend), and the log says how to mend it.
     with caplog.at_level(logging.WARNING, logger="qvld.engine"):
         engine = Engine(Config.model_validate({"model": {"path": str(model)}}))

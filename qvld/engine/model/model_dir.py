@@ -257,9 +257,9 @@ def choose_backend(path: Path, backend: str, cpu_flags: set[str],
         return "onnxruntime", "the directory holds ONNX graphs and no OpenVINO IR"
     if prompt_backend == "onnxruntime":
         return "openvino", "model.prompt_backend asks for ONNX Runtime beside OpenVINO"
-    if onnx_outdated(path):
-        return "openvino", ("its ONNX graphs were exported by an older qvld: `qvlctl model "
-                            "export-onnx` them again")
+    outdated = onnx_outdated(path)
+    if outdated:
+        return "openvino", outdated
     if onnx_weights(onnx_path(path, "language_model")) != "int8":
         return "openvino", "its ONNX graphs have float weights (no faster than the IR)"
     if not onnxruntime_installed:
