@@ -313,7 +313,7 @@ class SlotPaged:
             lane.members.append(member)
         self.lane_loads += 1
         # A slot that prefilled one of these holds a copy the lane now has: drop it
-        # (an f32 cache of a 2 000-row clip is 0.5 GB, twice over in a slot's buffers).
+        # (an f32 cache of a 2 000-row clip is 0.5 GB).
         for mirror in self._mirrors:
             if mirror.length and any(mirror.valid_rows(blocks, past, self._versions) > 0
                                      for blocks, past in zip(tables, pasts, strict=True)):
