@@ -161,11 +161,9 @@ class EngineConfig(_Section):
     # they share the cores with OpenVINO's (model.prompt_backend: a prompt prefilled
     # while others decode), where spinning threads take the CPU from the other runtime.
     spin_wait: bool | Literal["auto"] = "auto"
-    # true: every decoding sequence's logits are computed as if it ran alone. ONNX
-    # Runtime's int8 graphs quantise a step's activations with one scale for all the
-    # sequences in it, so batched decoding (the default: one pass over the weights for
-    # all) lets who else is decoding move an answer's logits; true steps them one at a
-    # time (slower with several users). OpenVINO's batched steps are invariant already.
+    # Deprecated, no effect (the engine logs a warning when it is set): batched answers
+    # equal answers alone on every backend, ONNX Runtime's int8 graphs quantising each
+    # token's activations on its own. Kept so that a file that sets it still loads.
     batch_invariant: bool = False
 
     @field_validator("streams")

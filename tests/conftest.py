@@ -180,14 +180,15 @@ def load_reference(path: Path) -> dict[str, Any]:
     return dict(json.loads((path / "reference.json").read_text(encoding="utf-8")))
 
 
-def outdate_onnx_graphs(model: Path) -> None:
-    """The directory's language-model graph as an older qvld exported it (without the
-    ``qvld.kv_cache`` metadata that says its KV cache is written in place)."""
+def outdate_onnx_graphs(model: Path, key: str = "qvld.kv_cache") -> None:
+    """The directory's language-model graph as an older qvld exported it, without the
+    metadata ``key``: ``qvld.kv_cache`` (its KV cache written in place) or
+    ``qvld.int8_activations`` (an int8 graph's activations quantised per row)."""
     import onnx
 
     path = model / "onnx_language_model.onnx"
     graph = onnx.load(str(path), load_external_data=False)
-    kept = [p for p in graph.metadata_props if p.key != "qvld.kv_cache"]
+    kept = [p for p in graph.metadata_props if p.key != key]
     del graph.metadata_props[:]
     graph.metadata_props.extend(kept)
     onnx.save_model(graph, str(path))

@@ -141,8 +141,11 @@ def test_graphs_are_added_beside_the_ir_and_the_split_serves(
     assert "serves with images and prompts on ONNX Runtime" in err
     # The fixture's graphs are fp32, which auto leaves alone: the message says how.
     assert "set model.prompt_backend: onnxruntime" in err
+    # At f32 with an f32 KV cache: ONNX Runtime's rows go into an f16 or f32 one (where
+    # the CPU has AVX-512, auto is bf16 or u8, and prompts then stay on OpenVINO).
     engine = Engine(Config.model_validate({"model": {
-        "path": str(model), "prompt_backend": "onnxruntime"}}))
+        "path": str(model), "prompt_backend": "onnxruntime", "precision": "f32",
+        "kv_cache_precision": "f32"}}))
     assert engine.prompt_runtime == "onnxruntime"
 
 

@@ -160,6 +160,9 @@ class Engine:
         outdated = onnx_outdated(path)
         if outdated:  # auto passed them over (onnxruntime named would have refused)
             log.warning("%s; until then OpenVINO runs everything", outdated)
+        if config.engine.batch_invariant:
+            log.warning("engine.batch_invariant is deprecated and has no effect: a batched "
+                        "answer equals the answer alone on every backend; remove it")
         self.max_context = min(config.engine.max_context_tokens,
                                self.spec.max_position_embeddings)
         # What sets the context, for the message of a prompt that does not fit.
@@ -418,9 +421,7 @@ class Engine:
         batched = self.batch.model.batches_decoding
         batching: dict[str, Any] = {"continuous_batching": batched}
         if not batched:
-            batching["reason"] = (
-                "engine.continuous_batching is off" if self.config.model.backend == "openvino"
-                else "engine.batch_invariant steps decoding sequences one by one")
+            batching["reason"] = "engine.continuous_batching is off"
         return {**batching,
                 "max_batch_tokens": self.batch.max_batch_tokens,
                 "steps": self.batch.steps, "peak_sequences": self.batch.peak_sequences,

@@ -66,7 +66,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from qvld.engine.model.model_dir import KV_IN_PLACE, SUBMODELS, ir_path, onnx_path
+from qvld.engine.model.model_dir import (
+    INT8_PER_ROW,
+    KV_IN_PLACE,
+    SUBMODELS,
+    ir_path,
+    onnx_path,
+)
 from qvld.modeltools.convert import SIDE_FILES, add_beside_ir, write_model
 
 # The ONNX opset: 20 has Gelu, so the vision MLP's tanh GELU is one op instead of nine
@@ -475,8 +481,9 @@ def save_graph(src: Path, dst: Path, weights: str) -> None:
     one ``dst.data`` file, page-aligned, one tensor in memory at a time: a full-size
     graph is larger than protobuf's 2 GiB and than what fits beside the model in RAM.
     The metadata entry ``qvld.weights`` says what the weights are (the engine reports it);
-    ``qvld.kv_cache`` that the language model writes its cache in place (graphs without
-    it are an older export the engine asks to be redone).
+    ``qvld.kv_cache`` that the language model writes its cache in place, and
+    ``qvld.int8_activations`` that an int8 graph quantises its activations per row
+    (graphs without them are an older export the engine asks to be redone).
     """
     import onnx
 
@@ -485,6 +492,8 @@ def save_graph(src: Path, dst: Path, weights: str) -> None:
     props = {"qvld.weights": weights}
     if any(i.name == "seqlens_k" for i in proto.graph.input):  # the language model
         props["qvld.kv_cache"] = KV_IN_PLACE
+    if weights == "int8":  # onnx_int8 quantised it
+        props["qvld.int8_activations"] = INT8_PER_ROW
     onnx.helper.set_model_props(proto, props)
     external = [t for t in proto.graph.initializer
                 if t.data_location == onnx.TensorProto.EXTERNAL]
@@ -508,8 +517,9 @@ def save_graph(src: Path, dst: Path, weights: str) -> None:
 
 
 def quantize_int8(directory: Path) -> None:
-    """Replace each graph by its int8 form (``onnx_int8``: onnxruntime's dynamic
-    quantisation of every MatMul and Gemm weight, computed a tensor at a time).
+    """Replace each graph by its int8 form (``onnx_int8``: every MatMul and Gemm weight
+    in int8 as onnxruntime's dynamic quantisation makes it, computed a tensor at a time,
+    and activations quantised per row).
 
     Signed weights per output channel (the layout that decodes fastest in OpenVINO too);
     the embedding tables (Gather) stay fp32: they are read one row at a time. Weights use

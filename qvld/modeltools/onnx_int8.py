@@ -1,26 +1,36 @@
-"""Int8 weights for an ONNX graph, one tensor in memory at a time.
+"""Int8 weights for an ONNX graph, one tensor in memory at a time, and activations
+quantised per row.
 
-The same model onnxruntime's ``quantize_dynamic`` makes with the options the export has
-always used (``weight_type=QInt8, per_channel=True, reduce_range=True,
-op_types_to_quantize=[MatMul, Gemm]``): each Gemm (alpha = beta = 1, A not transposed)
-becomes a MatMul (its weight transposed) and an Add of its bias; each MatMul whose B is
-a weight becomes::
+Each Gemm (alpha = beta = 1, A not transposed) becomes a MatMul (its weight transposed)
+and an Add of its bias; each MatMul whose B is a weight becomes::
 
-    DynamicQuantizeLinear(A) -> A_q (u8), A_scale, A_zero_point   (shared by A's users)
-    MatMulInteger(A_q, W_q, A_zero_point, W_zero_point) -> Cast(float)
-    Mul(A_scale, W_scale) -> Mul(that, the cast) -> the MatMul's output
+    Abs(A) -> ReduceMax(last axis) -> * 1/127 -> Max(tiny)  -> A_scale [..., 1]
+    QuantizeLinear(A * Reciprocal(A_scale), 1, 128)         -> A_q (u8)
+    com.microsoft.MatMulIntegerToFloat(A_q, W_q, A_scale, W_scale, 128, W_zero_point)
+                                                             -> the MatMul's output
 
-with ``W_q`` the weight's int8 values per output channel (symmetric, 7 bits: scale =
-max|w| / 64 per column, values rounded half to even). ``tests/test_onnx_int8.py``
-holds it to onnxruntime's output: every quantised tensor byte for byte, every output
-equal.
+(the quantisation shared by every MatMul that reads A). Each row of A (a token, a
+patch) gets its own scale, symmetric around the fixed zero point 128: a row's integer
+product (exact, in int32) and its scaling depend on that row alone, so a batched step
+gives every sequence in it the logits it gets alone, and a prompt's rows the same
+whatever chunks it is fed in. onnxruntime's ``quantize_dynamic`` (what qvld exported
+before) quantises a whole tensor with one scale: one sequence's
+activations moved another's. ONNX Runtime's MatMulIntegerToFloat takes a row scale (it
+scales its output by it after the GEMM) but only a scalar zero point, hence symmetric
+rows; its fused per-tensor kernels (DynamicQuantizeMatMul) take no row scale at all.
 
-What differs is memory: ``quantize_dynamic`` holds the float model, a copy saved and
-reloaded for shape inference, and the quantised tensors at once (21.4 GB for the
-full-size language model). Here the graph is read without its tensors, and each weight
-is read from the external data file, quantised and written out before the next one is
-read: the peak is the largest weight (the 1.2 GB output projection of the full-size
-model) and its int8 copy.
+``W_q`` is the weight's int8 values per output channel as ``quantize_dynamic`` makes
+them with the options the export has always used (``weight_type=QInt8,
+per_channel=True, reduce_range=True``): symmetric, 7 bits, scale = max|w| / 64 per
+column, values rounded half to even; ``tests/test_onnx_int8.py`` holds every quantised
+weight to onnxruntime's byte for byte.
+
+What differs from ``quantize_dynamic`` in memory: it holds the float model, a copy
+saved and reloaded for shape inference, and the quantised tensors at once (21.4 GB for
+the full-size language model). Here the graph is read without its tensors, and each
+weight is read from the external data file, quantised and written out before the next
+one is read: the peak is the largest weight (the 1.2 GB output projection of the
+full-size model) and its int8 copy.
 """
 
 from __future__ import annotations
@@ -38,6 +48,10 @@ ALIGN = 4096
 # Tensors this small are kept inside the graph file (as onnx's savers do).
 INLINE_BYTES = 1024
 QMIN, QMAX = -64, 64  # int8 with reduce_range: 7 bits, symmetric
+# Activations: symmetric per row, u8 around a fixed zero point (a row's values to
+# [1, 255]); 7-bit weights keep AVX2's saturating u8 x s8 pair sums in range.
+ROW_LEVELS = 127
+ROW_ZERO_POINT = 128
 ROWS_PER_BLOCK = 256
 EXTERNAL_OVER = 64 << 20  # a graph file larger than this gets an external data file
 
@@ -191,23 +205,19 @@ def quantize_graph(src: Path, dst: Path, say: Any = None) -> None:
         a = node.input[0]
         if a not in quantized_inputs:
             quantized_inputs.add(a)
-            out_nodes.append(onnx.helper.make_node(
-                "DynamicQuantizeLinear", [a], [a + "_quantized", a + "_scale",
-                                              a + "_zero_point"], a + "_QuantizeLinear"))
+            out_nodes += _quantize_rows(a, _opset(proto))
         weights.setdefault(b, b + "_quantized")
-        name = node.name + "_quant" if node.name else ""
-        product = node.output[0] + "_output_quantized"
-        scales = (name + "_scales_mul") if name else f"{a}_scale_{b}_scale_mul"
-        out_nodes += [
-            onnx.helper.make_node("MatMulInteger", [a + "_quantized", b + "_quantized",
-                                                    a + "_zero_point", b + "_zero_point"],
-                                  [product], name),
-            onnx.helper.make_node("Cast", [product], [product + "_cast_output"],
-                                  product + "_cast", to=onnx.TensorProto.FLOAT),
-            onnx.helper.make_node("Mul", [a + "_scale", b + "_scale"], [scales + ":0"], scales),
-            onnx.helper.make_node("Mul", [product + "_cast_output", scales + ":0"],
-                                  list(node.output), name + "_output_scale_mul" if name else ""),
-        ]
+        out_nodes.append(onnx.helper.make_node(
+            "MatMulIntegerToFloat",
+            [a + "_quantized", b + "_quantized", a + "_scale", b + "_scale",
+             _ZERO_POINT, b + "_zero_point"],
+            list(node.output), (node.name + "_quant") if node.name else "",
+            domain="com.microsoft"))
+    if weights:
+        graph.initializer.extend(_row_constants())
+        initializers = {t.name: t for t in graph.initializer}
+        if not any(op.domain == "com.microsoft" for op in proto.opset_import):
+            proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     used = {name for node in out_nodes for name in node.input}
     # Out of the graph file when large: a graph saved with its tensors inside is held
     # (and copied by protobuf) whole when written.
@@ -235,6 +245,54 @@ def quantize_graph(src: Path, dst: Path, say: Any = None) -> None:
     del graph.node[:]
     graph.node.extend(out_nodes)
     onnx.save_model(proto, str(dst))
+
+
+# The constants every row quantisation reads (initialisers of the quantised graph).
+_AXIS, _INV_LEVELS, _TINY, _ONE, _ZERO_POINT = (
+    "qvld_row_axis", "qvld_row_inv_levels", "qvld_row_tiny", "qvld_row_one",
+    "qvld_row_zero_point")
+
+
+def _row_constants() -> list[Any]:
+    from onnx import numpy_helper
+
+    return [numpy_helper.from_array(np.array([-1], np.int64), _AXIS),
+            numpy_helper.from_array(np.array(1 / ROW_LEVELS, np.float32), _INV_LEVELS),
+            # an all-zero row: scale tiny (not 0), its values 0 -> the zero point
+            numpy_helper.from_array(np.array(np.finfo(np.float32).tiny, np.float32), _TINY),
+            numpy_helper.from_array(np.array(1.0, np.float32), _ONE),
+            numpy_helper.from_array(np.array(ROW_ZERO_POINT, np.uint8), _ZERO_POINT)]
+
+
+def _opset(proto: Any) -> int:
+    return next((int(op.version) for op in proto.opset_import if op.domain in ("", "ai.onnx")),
+                1)
+
+
+def _quantize_rows(a: str, opset: int) -> list[Any]:
+    """``a``'s rows in u8, each with its own scale: ``a_quantized``, ``a_scale``.
+
+    The scaled row is rounded and shifted by one QuantizeLinear with a scalar scale
+    (onnxruntime's vectorised, threaded path; its per-axis and blocked forms are
+    scalar loops)."""
+    import onnx
+
+    make = onnx.helper.make_node
+    # ReduceMax takes its axes as an input from opset 18, as an attribute before.
+    reduce = (make("ReduceMax", [a + "_abs", _AXIS], [a + "_absmax"], a + "_RowMax", keepdims=1)
+              if opset >= 18 else
+              make("ReduceMax", [a + "_abs"], [a + "_absmax"], a + "_RowMax", axes=[-1],
+                   keepdims=1))
+    return [
+        make("Abs", [a], [a + "_abs"], a + "_RowAbs"),
+        reduce,
+        make("Mul", [a + "_absmax", _INV_LEVELS], [a + "_rowscale"], a + "_RowScale"),
+        make("Max", [a + "_rowscale", _TINY], [a + "_scale"], a + "_RowScaleFloor"),
+        make("Reciprocal", [a + "_scale"], [a + "_inverse"], a + "_RowInverse"),
+        make("Mul", [a, a + "_inverse"], [a + "_unit"], a + "_RowUnit"),
+        make("QuantizeLinear", [a + "_unit", _ONE, _ZERO_POINT], [a + "_quantized"],
+             a + "_QuantizeLinear"),
+    ]
 
 
 def _copy(tensor: Any, source: TensorSource, writer: DataWriter) -> Any:

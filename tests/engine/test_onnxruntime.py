@@ -51,19 +51,20 @@ def test_greedy_ids_equal_transformers(engine: Engine, name: str) -> None:
     assert ask(engine, CASES[name]).token_ids == CASES[name]["token_ids"]
 
 
-def test_decoding_sequences_share_a_step_and_status_says_whether_they_do(
-        engine: Engine) -> None:
+def test_decoding_sequences_share_a_step_and_status_says_they_do(
+        engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
     # ONNX Runtime has no paged attention: concurrent generations share the step loop,
     # prompts on slots over the same KV blocks and decoding sequences in one inference
-    # (the decode lane), exactly; with engine.batch_invariant the decoding ones run one
-    # by one, and status tells an operator why a step is not one inference.
+    # (the decode lane), exactly. engine.batch_invariant, which stepped them one by one,
+    # is a deprecated no-op: the engine says so and still batches.
     from concurrent.futures import ThreadPoolExecutor
 
     assert engine.stats()["batch"]["continuous_batching"] is True
-    alone = Engine(engine.config.model_copy(update={"engine": engine.config.engine.model_copy(
-        update={"batch_invariant": True})}))
-    batch = alone.stats()["batch"]
-    assert batch["continuous_batching"] is False and "batch_invariant" in batch["reason"]
+    with caplog.at_level("WARNING", logger="qvld"):
+        deprecated = Engine(engine.config.model_copy(update={
+            "engine": engine.config.engine.model_copy(update={"batch_invariant": True})}))
+    assert "engine.batch_invariant is deprecated and has no effect" in caplog.text
+    assert deprecated.stats()["batch"]["continuous_batching"] is True
     peak = engine.batch.peak_sequences
     cases = [CASES[n] for n in ("image_photo", "long", "question")]
     with ThreadPoolExecutor(len(cases)) as pool:
@@ -91,20 +92,17 @@ def test_chunked_prefill_through_the_past_inputs_is_exact(name: str) -> None:
     assert ask(engine, CASES[name]).token_ids == CASES[name]["token_ids"]
 
 
-@pytest.mark.parametrize("invariant", [False, True])
-def test_a_prefix_shared_in_whole_blocks_is_reused(invariant: bool) -> None:
+def test_a_prefix_shared_in_whole_blocks_is_reused() -> None:
     # The same 131-row prompt again: its rows are cached in whole blocks (all but the
-    # last row, whose logits give the first token). Without the decode lane the slot
-    # that ran the first still holds them, and is cut back to them instead of loading
-    # them again; with it the lane took the first answer's rows and the slot let its
-    # copy go (memory), so they are loaded from the blocks once.
-    engine = Engine(ort_config(infer_requests=1, batch_invariant=invariant))
+    # last row, whose logits give the first token). The decode lane took the first
+    # answer's rows and the slot let its copy go (memory), so they are loaded from the
+    # blocks once (without a lane, test_slot_paged: the slot is cut back to them).
+    engine = Engine(ort_config(infer_requests=1))
     first, second = ask(engine, CASES["long"]), ask(engine, CASES["long"])
     size = engine.blocks.block_size
     assert second.usage.cached_tokens == 130 // size * size
     model = engine.batch.model
-    assert (model.reloads, model.lane_loads > 0) == (  # type: ignore[attr-defined]
-        (0, False) if invariant else (1, True))
+    assert (model.reloads, model.lane_loads > 0) == (1, True)  # type: ignore[attr-defined]
     assert first.token_ids == second.token_ids == CASES["long"]["token_ids"]
 
 
@@ -191,7 +189,11 @@ def test_int8_graphs_quantise_the_matmuls_and_still_answer(tmp_path: Path,
     quantize_int8(model)
     lm = onnx.load(str(model / "onnx_language_model.onnx"))
     ops = {node.op_type for node in lm.graph.node}
-    assert "MatMulInteger" in ops and "DynamicQuantizeLinear" in ops
+    # weights in int8, activations quantised per row (no per-tensor DynamicQuantizeLinear)
+    assert {"MatMulIntegerToFloat", "QuantizeLinear"} <= ops
+    assert "DynamicQuantizeLinear" not in ops
+    props = {p.key: p.value for p in lm.metadata_props}
+    assert props["qvld.weights"] == "int8" and props["qvld.int8_activations"] == "per-row"
     assert (model / "onnx_language_model.onnx").stat().st_size < \
         0.5 * (TINY / "onnx_language_model.onnx").stat().st_size
     assert not list(model.glob("*.int8.onnx*"))

@@ -402,15 +402,19 @@ def test_the_engine_and_check_config_run_what_auto_chooses_on_this_cpu(
     assert f"runtime: {expected} ({why})" in capsys.readouterr().out
 
 
-def test_graphs_exported_before_the_in_place_cache_are_passed_over_or_refused(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("key", "reason"), [
+    ("qvld.kv_cache", "its KV cache is copied every step"),
+    ("qvld.int8_activations", "its int8 activations share one scale across a batch")])
+def test_graphs_exported_before_the_in_place_cache_or_per_row_int8_are_passed_over_or_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, key: str, reason: str) -> None:
     from qvld.engine.model.model_dir import choose_backend, onnx_outdated
 
     model = int8_directory(tmp_path)
     assert onnx_outdated(model) is None
-    outdate_onnx_graphs(model)  # what an older export wrote
+    outdate_onnx_graphs(model, key)  # what an older export wrote
     why = onnx_outdated(model)
     assert why is not None and f"export-onnx CHECKPOINT {model} --weights int8" in why
+    assert reason in why
     assert choose_backend(model, "auto", AVX2, True) == ("openvino", why)
     # auto: OpenVINO runs everything (no prompt backend), and the log says how to mend it.
     with caplog.at_level(logging.WARNING, logger="qvld.engine"):

@@ -188,19 +188,31 @@ def onnx_weights(graph: Path) -> str | None:
 # GroupQueryAttention writing new rows into the buffer the past came in. Graphs exported
 # before have no entry: each step concatenated the past with the new rows.
 KV_IN_PLACE = "in-place"
+# How an int8 graph quantises its activations (``qvld.int8_activations``): "per-row",
+# each token its own scale (``modeltools/onnx_int8``). int8 graphs exported before have
+# no entry: one scale for a whole step, so co-running sequences moved each other's logits.
+INT8_PER_ROW = "per-row"
 
 
 def onnx_outdated(path: Path) -> str | None:
     """Why the ONNX language model in directory ``path`` cannot run here, or None: one
-    exported before its KV cache was written in place."""
+    exported before its KV cache was written in place, or with int8 activations
+    quantised per tensor (batched answers differ from answers alone)."""
     graph = onnx_path(path, "language_model")
-    if not graph.is_file() or onnx_metadata(graph, "qvld.kv_cache") == KV_IN_PLACE:
+    if not graph.is_file():
+        return None
+    if onnx_metadata(graph, "qvld.kv_cache") != KV_IN_PLACE:
+        why = "its KV cache is copied every step"
+    elif onnx_weights(graph) == "int8" and \
+            onnx_metadata(graph, "qvld.int8_activations") != INT8_PER_ROW:
+        why = ("its int8 activations share one scale across a batch, so who else is "
+               "decoding moves an answer")
+    else:
         return None
     how = (f"`qvlctl model export-onnx CHECKPOINT {path} --weights int8` replaces them"
            if ir_path(path, "language_model").is_file() else
            "`qvlctl model export-onnx CHECKPOINT NEW_DIR --weights int8` exports them again")
-    return (f"{graph.name} was exported by an older qvld (its KV cache is copied every "
-            f"step): {how}")
+    return f"{graph.name} was exported by an older qvld ({why}): {how}"
 
 
 # The graph files each backend reads, and the command that writes them.

@@ -123,8 +123,6 @@ class SessionModels:
                                  spec.onnx(sub).name + ".data")) if p.exists()}
         self.runtime = "onnxruntime"
         self.prompt = None
-        # Decoding sequences stepped one at a time (engine.batch_invariant), not batched.
-        self._batch_invariant = engine_cfg.batch_invariant
         # One sequence per inference: the step loop runs it through ``SlotPaged``, whose
         # f32 blocks are what engine.kv_cache_mb holds.
         self.paged = False
@@ -146,9 +144,11 @@ class SessionModels:
         return Slot(self)
 
     def new_paged(self, num_blocks: int, slots: int) -> SlotPaged:
-        """The step loop's model: ``slots`` slots behind a block store."""
-        lane = None if self._batch_invariant else self.new_slot()
-        return SlotPaged(self.new_slot, slots, num_blocks, self.kv_layout, lane=lane)
+        """The step loop's model: ``slots`` slots behind a block store, and the decode
+        lane (a row's logits do not depend on the other rows of its step: the int8
+        graphs quantise activations per row)."""
+        return SlotPaged(self.new_slot, slots, num_blocks, self.kv_layout,
+                         lane=self.new_slot())
 
 
 def _view(value: ort.OrtValue) -> np.ndarray:
