@@ -124,6 +124,8 @@ def check_config(config: Config) -> int:
     except ModelInvalid as exc:
         print(f"qvld: model: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    for deprecation in config.deprecations():
+        print(f"qvld: warning: {deprecation}", file=sys.stderr)
     print(f"configuration is valid; model {spec.name} at {spec.path}")
     print(f"runtime: {backend} ({why})")
     print("pictures and clips are processed with:")

@@ -161,9 +161,7 @@ class EngineConfig(_Section):
     # they share the cores with OpenVINO's (model.prompt_backend: a prompt prefilled
     # while others decode), where spinning threads take the CPU from the other runtime.
     spin_wait: bool | Literal["auto"] = "auto"
-    # Deprecated, no effect (the engine logs a warning when it is set): batched answers
-    # equal answers alone on every backend, ONNX Runtime's int8 graphs quantising each
-    # token's activations on its own. Kept so that a file that sets it still loads.
+    # Deprecated (DEPRECATED_KEYS): kept so that a file that sets it still loads.
     batch_invariant: bool = False
 
     @field_validator("streams")
@@ -476,6 +474,24 @@ class Config(_Section):
     tuning: TuningConfig = TuningConfig()
     logging: LoggingConfig = LoggingConfig()
 
+    def deprecations(self) -> list[str]:
+        """What to tell the operator about each deprecated key this configuration sets
+        (whatever its value): the engine logs it, check-config prints it."""
+        found = []
+        for key, why in DEPRECATED_KEYS.items():
+            section, name = key.split(".")
+            if name in getattr(self, section).model_fields_set:
+                found.append(f"{key} is deprecated and has no effect: {why}; remove it")
+        return found
+
+
+# Keys that still load but do nothing; not in the shipped file nor among iter_keys().
+DEPRECATED_KEYS: dict[str, str] = {
+    "engine.batch_invariant": "a batched answer equals the answer alone on every backend "
+                              "(int8 ONNX graphs quantise each token's activations with "
+                              "a scale of its own)",
+}
+
 
 # -- loading ------------------------------------------------------------------------
 
@@ -654,13 +670,13 @@ def instance_source(path: Path | None, overrides: Sequence[str], name: str,
 
 
 def iter_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema, in declaration order."""
+    """Every dotted key of the schema in declaration order, but the deprecated ones."""
     keys: list[str] = []
     for name, info in model.model_fields.items():
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             keys.extend(iter_keys(annotation, f"{prefix}{name}."))
-        else:
+        elif f"{prefix}{name}" not in DEPRECATED_KEYS:
             keys.append(f"{prefix}{name}")
     return keys
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from qvld.config import (
+    DEPRECATED_KEYS,
     Config,
     ConfigError,
     instance_source,
@@ -123,6 +124,23 @@ def test_check_config_validates_the_model_dir(tmp_path: Path, tiny_dir: Path) ->
     unset = qvld("check-config", "--config", str(empty))
     assert unset.returncode == 78
     assert qvld("--bogus").returncode == 2
+
+
+def test_a_deprecated_key_still_loads_and_check_config_says_to_remove_it(
+        tmp_path: Path, tiny_dir: Path) -> None:
+    # engine.batch_invariant did something until #58: a file that sets it is not refused,
+    # but the operator hears it is a no-op, whatever its value.
+    assert "engine.batch_invariant" not in iter_keys()  # nor in the shipped file
+    path = tmp_path / "old.yaml"
+    path.write_text("engine:\n  batch_invariant: false\n")
+    assert load_config(path).deprecations() == [
+        f"engine.batch_invariant is deprecated and has no effect: "
+        f"{DEPRECATED_KEYS['engine.batch_invariant']}; remove it"]
+    assert load_config(None, ["engine.batch_invariant=true"]).deprecations() != []
+    assert Config().deprecations() == []
+    out = qvld("check-config", "--config", str(path), "--model", str(tiny_dir))
+    assert out.returncode == 0 and "valid" in out.stdout
+    assert "qvld: warning: engine.batch_invariant is deprecated" in out.stderr
 
 
 def test_check_config_says_what_pictures_and_clips_are_processed_with_and_from_where(

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from pydantic import BaseModel  # noqa: E402
 
 from qvld import __version__  # noqa: E402
-from qvld.config import Config  # noqa: E402
+from qvld.config import DEPRECATED_KEYS, Config  # noqa: E402
 
 KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[a-z_]+):(?P<value>[^#]*)(#\s?(?P<text>.*))?$")
 COMMENT_LINE = re.compile(r"^ {20,}#\s?(?P<text>.*)$")
@@ -118,9 +118,15 @@ def config_page(yaml_path: Path) -> str:
         out.append(f".SH {section.upper()}")
         for name, field in model.model_fields.items():
             key = f"{section}.{name}"
+            if key in DEPRECATED_KEYS:
+                continue
             out += [".TP", f"\\fB{section}.{roff(name)}\\fR: {roff(type_name(field.annotation))}"
                     f" (default: {roff(default_text(field.default))})",
                     roff(texts.get(key, "").strip() or "(see etc/qvld/qvld.yaml)")]
+    out.append(".SH DEPRECATED KEYS")
+    out.append(roff("Still accepted, with a warning in the log and from check-config:"))
+    for key, why in DEPRECATED_KEYS.items():
+        out += [".TP", f"\\fB{roff(key)}\\fR", roff(f"no effect: {why}.")]
     out += [".SH FILES", ".TP", "/etc/qvld/qvld.yaml", "the configuration",
             ".SH SEE ALSO", "\\fBqvld\\fR(8), \\fBqvlctl\\fR(1)", ""]
     return "\n".join(out)

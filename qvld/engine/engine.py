@@ -160,9 +160,8 @@ class Engine:
         outdated = onnx_outdated(path)
         if outdated:  # auto passed them over (onnxruntime named would have refused)
             log.warning("%s; until then OpenVINO runs everything", outdated)
-        if config.engine.batch_invariant:
-            log.warning("engine.batch_invariant is deprecated and has no effect: a batched "
-                        "answer equals the answer alone on every backend; remove it")
+        for deprecation in config.deprecations():
+            log.warning("%s", deprecation)
         self.max_context = min(config.engine.max_context_tokens,
                                self.spec.max_position_embeddings)
         # What sets the context, for the message of a prompt that does not fit.

@@ -120,7 +120,9 @@ def test_export_onnx_and_serve_it(checkpoint: Path, tmp_path: Path, weights: str
     import onnx
 
     ops = {node.op_type for node in onnx.load(str(dst / "onnx_language_model.onnx")).graph.node}
-    assert ("MatMulInteger" in ops) == (weights == "int8")
+    # int8: each MatMul's activations quantised per row (a scale of each token's own)
+    assert ("MatMulIntegerToFloat" in ops) == (weights == "int8")
+    assert ("DynamicQuantizeLinear" in ops) is False
     daemon = Daemon(tmp_path, model=dst, args=["--set", "model.backend=onnxruntime"]).start()
     try:
         with daemon.client() as client:
