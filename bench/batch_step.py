@@ -15,7 +15,8 @@ the median of ``--repeats`` steps after two warm-up steps, per size, for both.
 
 ``--lane-only`` with several directories: ONNX Runtime's decode lane alone, each
 directory's graphs in turn, ``--rounds`` times (interleaved, so that the machine's drift
-falls on all of them alike; the median of the rounds is printed), e.g. graphs whose int8
+falls on all of them alike, each round in the other order; printed: the median of the
+rounds, and of each round's ratio to the first directory), e.g. graphs whose int8
 activations are quantised per row against per tensor. ``--serve`` adds, in the same
 rounds, what a user sees on each: the first token of a fresh 448x448 picture, alone, and
 the aggregate tokens/s of ``--clients`` requests at once, each with a fresh picture of
@@ -125,15 +126,17 @@ def compare_lanes(models: list[Path], sizes: list[int], past: int, repeats: int,
         for engine in engines:  # warm-up: the vision graphs' first run
             engine.generate(picture_request(10_000, 2))
     for r in range(rounds):
+        # Each round in the other order: neither set of graphs always runs first.
+        order = list(enumerate(engines))[::-1 if r % 2 else 1]
         if clients:
-            for i, engine in enumerate(engines):
+            for i, engine in order:
                 ttft, rate = serve_round(engine, 100 * (r + 1), clients, tokens)
                 times.setdefault((i, -1), []).append(ttft * 1000)
                 times.setdefault((i, -2), []).append(rate)
                 print(f"round {r + 1}: {models[i].name}: fresh picture first token "
                       f"{ttft * 1000:.0f} ms, {clients} clients {rate:.2f} tokens/s", flush=True)
         for n in sizes:
-            for i, engine in enumerate(engines):
+            for i, engine in order:
                 ms = median_ms(lane_steps(engine, embeds[n], n, past + r * (repeats + 2),
                                           repeats), repeats)
                 times.setdefault((i, n), []).append(ms)
@@ -145,12 +148,17 @@ def compare_lanes(models: list[Path], sizes: list[int], past: int, repeats: int,
     print("| graphs | " + " | ".join(heads) + " |")
     print("|---|" + "---|" * len(columns))
     for i, model in enumerate(models):
-        row = [statistics.median(times[(i, n)]) for n in columns]
-        base = [statistics.median(times[(0, n)]) for n in columns]
-        print(f"| {model.name} | " + " | ".join(
-            (f"{ms:.2f}" if ms < 20 else f"{ms:.0f}") + (f" ({ms / b:.2f}x)" if i else "")
-            for ms, b in zip(row, base, strict=True))
-            + " |")
+        cells = []
+        for n in columns:
+            ms = statistics.median(times[(i, n)])
+            cell = f"{ms:.2f}" if ms < 20 else f"{ms:.0f}"
+            if i:  # the median of the rounds' ratios: each round's pair ran side by side
+                ratios = [a / b for a, b in zip(times[(i, n)], times[(0, n)], strict=True)]
+                cell += f" ({statistics.median(ratios):.2f}x)"
+            cells.append(cell)
+        print(f"| {model.name} | " + " | ".join(cells) + " |")
+    print("(medians of the rounds; in brackets, the median over the rounds of each round's "
+          "ratio to the first directory)")
     return 0
 
 

@@ -13,9 +13,10 @@ in nats, over 4 prompts (two with a scene image, two text only).
 ``precision``: the reference is qvld's engine at f32 compute, f32 KV cache and no dynamic
 quantisation (which equals transformers fp32 token for token on the tiny models);
 candidates are the other settings, qvld's default among them.
-``quantisation``: the reference is transformers at bf16 on the unquantised checkpoint
-(the model the quantised exports came from); candidates are those exports run by qvld's
-engine at its defaults and at bf16 without dynamic quantisation.
+``quantisation``: the reference is transformers at bf16 (``--reference fp32``: at fp32)
+on the unquantised checkpoint (the model the quantised exports came from); candidates
+are those exports run by qvld's engine at its defaults and at bf16 without dynamic
+quantisation.
 ``prompt-backend``: MODEL_DIR holds the IR and int8 ONNX graphs; the reference is qvld
 all on OpenVINO at f32, f32 KV cache, no dynamic quantisation, batched; candidates are
 the defaults with images and prompts on OpenVINO, and on ONNX Runtime (its int8 MatMuls,
@@ -149,14 +150,15 @@ def precision(model: Path, tokens: int, size: int) -> None:
 
 
 def quantisation(hf_dir: Path, models: list[Path], tokens: int, size: int,
-                 control: bool = False) -> None:
+                 control: bool = False, reference: str = "bf16") -> None:
     import torch
     from PIL import Image
     from systems import build_processor
     from transformers import Qwen3VLForConditionalGeneration
 
     torch.set_num_threads(2)
-    hf = Qwen3VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
+    dtype = torch.float32 if reference == "fp32" else torch.bfloat16
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(hf_dir, dtype=dtype).eval()
     processor = build_processor(hf_dir)
     tokenizer_engine = engine_for(models[0])  # its tokeniser and template: the prompt ids
     cases = []
@@ -185,8 +187,8 @@ def quantisation(hf_dir: Path, models: list[Path], tokens: int, size: int,
             extra["attention_mask"] = torch.ones_like(full)
             logits = hf(**extra).logits[0, len(ids) - 1:].float().numpy()
         cases.append((request, continuation, logits, extra))
-    print(f"reference: transformers bf16 on {hf_dir.name}\n{HEADER}", flush=True)
-    if control:
+    print(f"reference: transformers {reference} on {hf_dir.name}\n{HEADER}", flush=True)
+    if control and reference == "bf16":
         # The same checkpoint in transformers at fp32: how far precision alone moves
         # these logits (random weights give flat distributions: top-1 is fragile).
         hf = hf.float()
@@ -318,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=448)
     parser.add_argument("--control", action="store_true",
                         help="quantisation: also transformers fp32 against its bf16")
+    parser.add_argument("--reference", choices=["bf16", "fp32"], default="bf16",
+                        help="quantisation: transformers' precision for the reference")
     args = parser.parse_args(argv)
     if args.mode == "precision":
         for model in args.dirs:
@@ -331,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if len(args.dirs) < 2:
             parser.error("quantisation needs HF_DIR and at least one OV_DIR")
-        quantisation(args.dirs[0], args.dirs[1:], args.tokens, args.size, args.control)
+        quantisation(args.dirs[0], args.dirs[1:], args.tokens, args.size, args.control,
+                     args.reference)
     return 0
 
 

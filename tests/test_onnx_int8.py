@@ -62,8 +62,7 @@ def tensors(path: Path) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
 
 
-ROW_CONSTANTS = {"qvld_row_axis", "qvld_row_inv_levels", "qvld_row_tiny", "qvld_row_one",
-                 "qvld_row_zero_point"}
+ROW_CONSTANTS = {"qvld_row_axis", "qvld_row_level", "qvld_row_one", "qvld_row_zero_point"}
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -81,11 +80,15 @@ def test_the_same_weights_as_onnxruntimes_quantiser(submodel: str, tmp_path: Pat
     # The two table lookups have nothing to quantise; the rest have MatMuls or Gemms.
     assert bool(quantised) == (submodel not in ("text_embeddings_model",
                                                 "vision_embeddings_pos_model"))
+    # Each weight's scale is kept over 127 (a row's activation scale is max|row| / 127).
+    ours_of = {n: n + "_per_level" if n.endswith("_scale") else n for n in quantised}
     for name in quantised:
-        assert got[name].dtype == expected[name].dtype, name
-        assert np.array_equal(got[name], expected[name]), name
+        want = expected[name] / np.float32(127) if name.endswith("_scale") else expected[name]
+        assert got[ours_of[name]].dtype == want.dtype, name
+        assert np.array_equal(got[ours_of[name]], want), name
     # and no float weight left behind; the row quantisation's constants beside them
-    assert set(got) == set(expected) | (ROW_CONSTANTS if quantised else set())
+    assert set(got) == (set(expected) - set(quantised)) | set(ours_of.values()) | (
+        ROW_CONSTANTS if quantised else set())
     want, inputs = run(theirs)
     have, _ = run(ours, inputs)
     reference, _ = run(src, inputs)
@@ -168,9 +171,9 @@ def test_a_rows_logits_are_the_same_alone_and_in_a_batch(tmp_path: Path) -> None
 
 
 def test_each_matmul_computes_the_row_formula(tmp_path: Path) -> None:
-    # A Gemm with a bias and a MatMul reading the same input: q = round(a / s) + 128 with
-    # s = max|a| / 127 per row (an all-zero row included), y = (q - 128) @ w_q * s *
-    # w_scale (+ bias).
+    # A Gemm with a bias and a MatMul reading the same input: q = round(a / m * 127) +
+    # 128 with m = max|a| per row (an all-zero row included: its products are 0),
+    # y = (q - 128) @ w_q * m * w_scale / 127 (+ bias).
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(5)
@@ -191,12 +194,14 @@ def test_each_matmul_computes_the_row_formula(tmp_path: Path) -> None:
          ).astype(np.float32)
     y1, y2 = ort.InferenceSession(str(ours), providers=["CPUExecutionProvider"]).run(
         None, {"x": x})
-    scale = np.maximum(np.abs(x).max(axis=1, keepdims=True) / np.float32(127),
-                       np.finfo(np.float32).tiny)
-    q = np.clip(np.round(x * (np.float32(1) / scale)), -127, 127).astype(np.int64)
+    absmax = np.abs(x).max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        q = np.nan_to_num(np.round(x / absmax / np.float32(1 / 127))).astype(np.int64)
+    assert np.abs(q).max() == 127
     for got, weight, add in ((y1, w1, bias), (y2, w2, 0)):
         w_q, w_scale = quantize_columns(weight)
-        want = (q @ w_q.astype(np.int64)).astype(np.float32) * w_scale * scale + add
+        want = (q @ w_q.astype(np.int64)).astype(np.float32) * (w_scale / np.float32(127)) \
+            * absmax + add
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     np.testing.assert_array_equal(y1[3], bias)  # the zero row: the bias alone
     assert not y2[3].any()

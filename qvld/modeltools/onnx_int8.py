@@ -4,26 +4,33 @@ quantised per row.
 Each Gemm (alpha = beta = 1, A not transposed) becomes a MatMul (its weight transposed)
 and an Add of its bias; each MatMul whose B is a weight becomes::
 
-    Abs(A) -> ReduceMax(last axis) -> * 1/127 -> Max(tiny)  -> A_scale [..., 1]
-    QuantizeLinear(A * Reciprocal(A_scale), 1, 128)         -> A_q (u8)
-    com.microsoft.MatMulIntegerToFloat(A_q, W_q, A_scale, W_scale, 128, W_zero_point)
-                                                             -> the MatMul's output
+    Abs(A) -> ReduceMax(last axis)                         -> A_absmax [..., 1]
+    QuantizeLinear(A / A_absmax, 1/127, 128)                -> A_q (u8)
+    com.microsoft.MatMulIntegerToFloat(A_q, W_q, 1, W_scale / 127, 128, W_zero_point)
+        * A_absmax                                          -> the MatMul's output
 
 (the quantisation shared by every MatMul that reads A). Each row of A (a token, a
-patch) gets its own scale, symmetric around the fixed zero point 128: a row's integer
-product (exact, in int32) and its scaling depend on that row alone, so a batched step
-gives every sequence in it the logits it gets alone, and a prompt's rows the same
-whatever chunks it is fed in. onnxruntime's ``quantize_dynamic`` (what qvld exported
-before) quantises a whole tensor with one scale: one sequence's
-activations moved another's. ONNX Runtime's MatMulIntegerToFloat takes a row scale (it
-scales its output by it after the GEMM) but only a scalar zero point, hence symmetric
-rows; its fused per-tensor kernels (DynamicQuantizeMatMul) take no row scale at all.
+patch) gets its own scale, max|row| / 127, symmetric around the fixed zero point 128: a
+row's integer product (exact, in int32) and its scaling depend on that row alone, so a
+batched step gives every sequence in it the logits it gets alone, and a prompt's rows
+the same whatever chunks it is fed in. onnxruntime's ``quantize_dynamic`` (what qvld
+exported before) quantises a whole tensor with one scale: one sequence's activations
+moved another's. Its fused per-tensor kernel (DynamicQuantizeMatMul) takes no row
+scale; MatMulIntegerToFloat takes only a scalar zero point for A, hence symmetric rows.
+
+The fastest form measured (``bench/quantised_matmul.py``; BENCHMARKS.md, "Batched
+answers equal alone answers"): the 1/127 lives in the weights' scales and a row is
+divided by its largest magnitude directly (a row of zeros: 0/0, whatever its u8 values
+are its scale 0 makes its products 0), and the row scale multiplies the GEMM's output in
+a Mul, which ONNX Runtime spreads over its threads. MatMulIntegerToFloat also takes a
+column of row scales, but then scales its output on one thread: a prompt's rows took
+8 % longer than per tensor.
 
 ``W_q`` is the weight's int8 values per output channel as ``quantize_dynamic`` makes
 them with the options the export has always used (``weight_type=QInt8,
 per_channel=True, reduce_range=True``): symmetric, 7 bits, scale = max|w| / 64 per
 column, values rounded half to even; ``tests/test_onnx_int8.py`` holds every quantised
-weight to onnxruntime's byte for byte.
+weight to onnxruntime's byte for byte (and each scale, over 127, to its).
 
 What differs from ``quantize_dynamic`` in memory: it holds the float model, a copy
 saved and reloaded for shape inference, and the quantised tensors at once (21.4 GB for
@@ -207,12 +214,15 @@ def quantize_graph(src: Path, dst: Path, say: Any = None) -> None:
             quantized_inputs.add(a)
             out_nodes += _quantize_rows(a, _opset(proto))
         weights.setdefault(b, b + "_quantized")
-        out_nodes.append(onnx.helper.make_node(
-            "MatMulIntegerToFloat",
-            [a + "_quantized", b + "_quantized", a + "_scale", b + "_scale",
-             _ZERO_POINT, b + "_zero_point"],
-            list(node.output), (node.name + "_quant") if node.name else "",
-            domain="com.microsoft"))
+        name = node.name or node.output[0]
+        out_nodes += [
+            onnx.helper.make_node(
+                "MatMulIntegerToFloat",
+                [a + "_quantized", b + "_quantized", _ONE, b + "_scale_per_level",
+                 _ZERO_POINT, b + "_zero_point"],
+                [node.output[0] + "_per_level"], name + "_quant", domain="com.microsoft"),
+            onnx.helper.make_node("Mul", [node.output[0] + "_per_level", a + "_absmax"],
+                                  list(node.output), name + "_row_scale")]
     if weights:
         graph.initializer.extend(_row_constants())
         initializers = {t.name: t for t in graph.initializer}
@@ -236,7 +246,8 @@ def quantize_graph(src: Path, dst: Path, say: Any = None) -> None:
                 else source.read(initializers[weight])
             values, scale = quantize_columns(w)
             del w
-            kept += [writer.put(q_name, values), writer.put(weight + "_scale", scale),
+            kept += [writer.put(q_name, values),
+                     writer.put(weight + "_scale_per_level", scale / np.float32(ROW_LEVELS)),
                      writer.put(weight + "_zero_point", np.zeros(scale.shape, np.int8))]
     finally:
         writer.close()
@@ -248,18 +259,15 @@ def quantize_graph(src: Path, dst: Path, say: Any = None) -> None:
 
 
 # The constants every row quantisation reads (initialisers of the quantised graph).
-_AXIS, _INV_LEVELS, _TINY, _ONE, _ZERO_POINT = (
-    "qvld_row_axis", "qvld_row_inv_levels", "qvld_row_tiny", "qvld_row_one",
-    "qvld_row_zero_point")
+_AXIS, _LEVEL, _ONE, _ZERO_POINT = ("qvld_row_axis", "qvld_row_level", "qvld_row_one",
+                                    "qvld_row_zero_point")
 
 
 def _row_constants() -> list[Any]:
     from onnx import numpy_helper
 
     return [numpy_helper.from_array(np.array([-1], np.int64), _AXIS),
-            numpy_helper.from_array(np.array(1 / ROW_LEVELS, np.float32), _INV_LEVELS),
-            # an all-zero row: scale tiny (not 0), its values 0 -> the zero point
-            numpy_helper.from_array(np.array(np.finfo(np.float32).tiny, np.float32), _TINY),
+            numpy_helper.from_array(np.array(1 / ROW_LEVELS, np.float32), _LEVEL),
             numpy_helper.from_array(np.array(1.0, np.float32), _ONE),
             numpy_helper.from_array(np.array(ROW_ZERO_POINT, np.uint8), _ZERO_POINT)]
 
@@ -270,11 +278,12 @@ def _opset(proto: Any) -> int:
 
 
 def _quantize_rows(a: str, opset: int) -> list[Any]:
-    """``a``'s rows in u8, each with its own scale: ``a_quantized``, ``a_scale``.
+    """``a``'s rows in u8, each with its own scale: ``a_quantized``, and ``a_absmax``
+    (the scale times 127, which the weights' scales carry).
 
-    The scaled row is rounded and shifted by one QuantizeLinear with a scalar scale
-    (onnxruntime's vectorised, threaded path; its per-axis and blocked forms are
-    scalar loops)."""
+    The row over its largest magnitude is rounded and shifted by one QuantizeLinear
+    with a scalar scale (onnxruntime's vectorised, threaded path; its per-axis and
+    blocked forms are scalar loops)."""
     import onnx
 
     make = onnx.helper.make_node
@@ -286,11 +295,8 @@ def _quantize_rows(a: str, opset: int) -> list[Any]:
     return [
         make("Abs", [a], [a + "_abs"], a + "_RowAbs"),
         reduce,
-        make("Mul", [a + "_absmax", _INV_LEVELS], [a + "_rowscale"], a + "_RowScale"),
-        make("Max", [a + "_rowscale", _TINY], [a + "_scale"], a + "_RowScaleFloor"),
-        make("Reciprocal", [a + "_scale"], [a + "_inverse"], a + "_RowInverse"),
-        make("Mul", [a, a + "_inverse"], [a + "_unit"], a + "_RowUnit"),
-        make("QuantizeLinear", [a + "_unit", _ONE, _ZERO_POINT], [a + "_quantized"],
+        make("Div", [a, a + "_absmax"], [a + "_unit"], a + "_RowUnit"),
+        make("QuantizeLinear", [a + "_unit", _LEVEL, _ZERO_POINT], [a + "_quantized"],
              a + "_QuantizeLinear"),
     ]
 
