@@ -54,7 +54,7 @@ def debs() -> Iterator[tuple[Path, Path]]:
     installed = subprocess.run(["dpkg-deb", "-f", str(built[0]), "Installed-Size"],
                                capture_output=True, text=True, check=True).stdout.strip()
     print(f"package: {built[0].stat().st_size / 1e6:.1f} MB, installed "
-          f"{int(installed) / 1024:.0f} MiB")  # the figures the README quotes
+          f"{int(installed) / 1024:.0f} MiB")  # the figures docs/operations.md quotes
     yield built[0], built[1]
     shutil.rmtree(out, ignore_errors=True)
 
