@@ -30,7 +30,6 @@ cancels the handler).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import hashlib
 import itertools
@@ -38,7 +37,6 @@ import json
 import logging
 import socket
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,23 +49,22 @@ from prometheus_client.exposition import choose_encoder
 from qvld import __version__, protocol
 from qvld.config import Config, HttpConfig
 from qvld.errors import (
-    Busy,
     Forbidden,
     InternalError,
     QvlError,
     Unavailable,
 )
-from qvld.fairqueue import within_share
 from qvld.handlers import DaemonState
-from qvld.http import anthropic, ollama, openai, responses, sitecheck, webui
+from qvld.http import anthropic, ollama, openai, responses, sitecheck, streaming, webui
 from qvld.http.body import BodyReader, check_content_encoding
 from qvld.http.dialect import Replies
 from qvld.http.fetch import ImageFetcher, normalize_host_pattern
-from qvld.http.identity import is_loopback, tcp_peer_uid, user_groups
 from qvld.http.keys import ApiKeys, KeyFileError, UserIds, parse_bearer
+from qvld.http.listener import Connections, WireLog, listen_socket
+from qvld.http.streaming import Exchange, settle
 from qvld.logfields import log_request
 from qvld.metrics import Metrics
-from qvld.server import AccessPolicy, Peer, RequestContext, bind_unix
+from qvld.server import AccessPolicy, Peer, RequestContext
 
 log = logging.getLogger("qvld.http")
 
@@ -77,7 +74,6 @@ JSON = "application/json"
 OnReply = Callable[[str, str, float, int], None]
 # A dialect's error answer: (HTTP status, body) for a qvld error or an HTTP-level one.
 ErrorShape = Callable[..., tuple[int, dict[str, Any]]]
-UNIX_PREFIX = "unix:"
 
 
 # OpenAI's legacy text completions: a 404 that names the endpoint to use instead.
@@ -132,101 +128,6 @@ def load_http(config: HttpConfig) -> ApiKeys | None:
     return keys
 
 
-_END: dict[str, Any] = {}  # closes an exchange's queue of events
-
-
-class _Exchange:
-    """One HTTP request's channel: token events from worker threads to its handler."""
-
-    def __init__(self, limit: int) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.in_flight: dict[int, RequestContext] = {}
-        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.limit = limit
-        self.overflowed = False
-        self.on_overflow: Callable[[], None] = lambda: None
-
-    def send_threadsafe(self, message: dict[str, Any]) -> None:
-        self.loop.call_soon_threadsafe(self._put, message)
-
-    def _put(self, message: dict[str, Any]) -> None:
-        if self.overflowed:
-            return
-        if self.events.qsize() >= self.limit:
-            # The client does not read its stream: cut it off, never buffer without end.
-            self.overflowed = True
-            self.on_overflow()
-            return
-        self.events.put_nowait(message)
-
-
-def _owner(sock: socket.socket, peer: Peer | str | None) -> tuple[str, Any]:
-    """Whose share of the connections ``sock`` counts against: its local user's, else
-    its remote address's."""
-    if isinstance(peer, Peer):
-        return ("uid", peer.uid)
-    address = sock.getpeername()
-    return ("address", address[0] if isinstance(address, tuple) else address)
-
-
-def _refuse(conn: socket.socket) -> None:
-    """A connection past http.max_connections: answered 429 at once, never read."""
-    _, body = openai.error_body(Busy("too many connections; retry later"))
-    payload = json.dumps(body).encode()
-    head = ("HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
-            f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(payload)}"
-            "\r\n\r\n")
-    with contextlib.suppress(OSError):  # a fresh socket's buffer takes these bytes at once
-        conn.setblocking(False)
-        conn.send(head.encode() + payload)
-    conn.close()
-
-
-def _listener(listen: str, mode: int) -> tuple[socket.socket, Path | None]:
-    """The listening socket for http.listen (HOST:PORT, [IPv6]:PORT, :PORT, or
-    unix:PATH with ``mode``), and the socket file made for it (removed at close)."""
-    if listen.startswith(UNIX_PREFIX):
-        path = Path(listen[len(UNIX_PREFIX):])
-        return bind_unix(path, mode), path
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"
-    family, _, _, _, address = socket.getaddrinfo(
-        host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
-    except OSError:
-        sock.close()
-        raise
-    return sock, None
-
-
-def _kernel_peer(sock: Any) -> Peer | str | None:
-    """Who the kernel says is on the other end of an accepted connection (blocking:
-    run off the event loop): a Peer, None when no open socket of this machine is that
-    end, or the text "remote" for a TCP client on another address than loopback."""
-    if sock.family == socket.AF_UNIX:
-        return Peer.of(sock)
-    peer, local = sock.getpeername(), sock.getsockname()
-    if not is_loopback(peer):
-        return "remote"
-    uid = tcp_peer_uid(peer, local)
-    if uid is None:
-        return None
-    gid, groups = user_groups(uid)
-    return Peer(pid=0, uid=uid, gid=gid, groups=groups)
-
-
-class _WireLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """aiohttp's own log: a malformed request is one line, without a traceback (a
-    hostile client must not be able to fill the journal with them)."""
-
-    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kw: Any) -> None:
-        error = exc_info if isinstance(exc_info, BaseException) else None
-        self.logger.info("malformed HTTP request: %s", error or msg)
-
 
 class HttpFront:
     def __init__(self, config: Config, state: DaemonState,
@@ -251,15 +152,10 @@ class HttpFront:
         self._executor = ThreadPoolExecutor(4, thread_name_prefix="qvld-http")
         self.bodies = BodyReader(self.config.max_body_bytes, self.config.max_pending_bytes,
                                  self.config.read_timeout_s, self._executor)
-        # Each connection's caller, found once (the kernel's answer holds for its life).
-        self._peers: weakref.WeakKeyDictionary[Any, Peer | str | None] = \
-            weakref.WeakKeyDictionary()
+        self.connections = Connections(self._executor)
         # Users whose key was revoked while the daemon ran: a generation of theirs that
         # was cancelled for it is answered 401, not "retry".
         self._revoked_uids: set[int] = set()
-        # Each open connection's owner (its transport -> a uid or a remote address).
-        self._owners: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = \
-            weakref.WeakKeyDictionary()
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
         self._listener: socket.socket | None = None
@@ -371,16 +267,16 @@ class HttpFront:
             max_headers=64, lingering_time=self.config.read_timeout_s,
             # Bodies are never inflated (compressed ones are refused: body.py).
             auto_decompress=False,
-            logger=_WireLog(log, {}))
+            logger=WireLog(log, {}))
         await self._runner.setup()
         if sock is None:
             assert self.config.listen is not None
-            sock, self._owned_path = _listener(self.config.listen, self.socket_mode)
+            sock, self._owned_path = listen_socket(self.config.listen, self.socket_mode)
         sock.setblocking(False)
         self._listener = sock
         self._accepting = asyncio.create_task(self._accept(sock))
         if self.config.ollama_listen:
-            extra, _ = _listener(self.config.ollama_listen, self.socket_mode)
+            extra, _ = listen_socket(self.config.ollama_listen, self.socket_mode)
             extra.setblocking(False)
             self._ollama_listener = (extra, asyncio.create_task(self._accept(extra)))
             log.info("HTTP API also on %s (http.ollama_listen)", self.config.ollama_listen)
@@ -391,53 +287,11 @@ class HttpFront:
         else:
             log.info("HTTP API on %s (%d API keys)", self.address, len(self.keys))
 
+
     async def _accept(self, listener: socket.socket) -> None:
-        """Accept one connection at a time, so that the count of connections is exact
-        when the next one is judged (asyncio's own server accepts a whole backlog before
-        any of them is counted). At http.max_connections, who holds each connection is
-        asked of the kernel (the local user, or the remote address; below the limit
-        nobody is asked, so churn costs nothing), and a new one is answered 429 and
-        closed only when its owner holds its fair share of them
-        (``fairqueue.within_share``): connections opened and never used, by one user or
-        address, do not shut out everyone else before anyone is authenticated."""
-        loop = asyncio.get_running_loop()
         assert self._runner is not None and self._runner.server is not None
-        server = self._runner.server
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(listener)
-            except OSError as exc:  # e.g. out of descriptors: let some close first
-                log.warning("HTTP: cannot accept a connection: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            full = len(server.connections) >= self.config.max_connections
-            peer: Peer | str | None = None
-            if full:  # whose share would it take? (asked only then: churn costs nothing)
-                try:
-                    peer = await loop.run_in_executor(self._executor, _kernel_peer, conn)
-                    owner = _owner(conn, peer)
-                except OSError:  # gone already
-                    conn.close()
-                    continue
-                # Those accepted below the limit were not asked: asked now, once each.
-                await asyncio.gather(*(self._identify(c.transport) for c in server.connections
-                                       if c.transport and c.transport not in self._owners))
-                held = collections.Counter(self._owners.get(c.transport)
-                                           for c in server.connections if c.transport)
-                mine = held.pop(owner, 0)
-                if not within_share(total=len(server.connections), held=mine,
-                                    others=len(held), asked=1,
-                                    capacity=self.config.max_connections):
-                    _refuse(conn)
-                    continue
-            try:
-                transport, _ = await loop.connect_accepted_socket(server, conn)
-            except OSError:
-                conn.close()
-                continue
-            if full:
-                self._owners[transport] = owner
-                self._peers[transport] = peer
+        await self.connections.accept(listener, self._runner.server,
+                                       lambda: self.config.max_connections)
 
     def _stopped(self, request: web.Request) -> QvlError:
         """Why the daemon, not the client, ended a generation: its key was revoked, or
@@ -448,19 +302,6 @@ class HttpFront:
         return Unavailable("the daemon stopped this generation (it is shutting down); "
                            "retry")
 
-    async def _identify(self, transport: Any) -> None:
-        """Who holds ``transport``'s connection (its share of them), asked of the kernel
-        off the event loop; also its caller for its requests."""
-        sock = transport.get_extra_info("socket")
-        if sock is None or transport.is_closing():
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            peer = await loop.run_in_executor(self._executor, _kernel_peer, sock)
-            self._owners[transport] = _owner(sock, peer)
-        except OSError:  # gone already
-            return
-        self._peers.setdefault(transport, peer)
 
     @property
     def address(self) -> str:
@@ -622,7 +463,7 @@ class HttpFront:
                             ("user", found[0]))
             request["caller"] = caller
             return caller
-        peer = await self._kernel_peer(request)
+        peer = await self.connections.peer_of(request.transport)
         if peer == "remote":
             raise Forbidden("this listener serves local users only: callers from "
                             "other hosts need an API key (http.api_keys_file)")
@@ -637,23 +478,6 @@ class HttpFront:
                             "membership of one of server.allow_groups")
         return caller
 
-    async def _kernel_peer(self, request: web.Request) -> Peer | str | None:
-        transport = request.transport
-        if transport is None:
-            return None
-        try:
-            return self._peers[transport]
-        except KeyError:
-            pass
-        sock = transport.get_extra_info("socket")
-        loop = asyncio.get_running_loop()
-        try:
-            peer = await loop.run_in_executor(self._executor, _kernel_peer, sock)
-        except OSError as exc:  # the connection is already gone
-            log.info("HTTP: cannot identify a caller: %s", exc)
-            peer = None
-        self._peers[transport] = peer
-        return peer
 
     def _account(self, request: web.Request, op: str, outcome: str, t0: float,
                  caller: Caller | None, fields: dict[str, Any] | None = None,
@@ -703,7 +527,7 @@ class HttpFront:
         """Run the generation (protocol v1 ``params``); the response, shaped by the
         dialect's ``replies``, and the outcome to account."""
         rid = next(self._ids)
-        exchange = _Exchange(self.config.max_unsent_events)
+        exchange = Exchange(self.config.max_unsent_events)
         ctx = RequestContext(request=protocol.Request(rid, "generate", params),
                              peer=peer, connection=exchange)
         exchange.on_overflow = lambda: self._cut_off(request, ctx)
@@ -711,7 +535,10 @@ class HttpFront:
         task = asyncio.ensure_future(self.dispatch(ctx))
         try:
             if stream:
-                response = await self._stream(request, replies, task, exchange)
+                response = await streaming.stream(
+                    request, replies, task, exchange, timeout=self.config.read_timeout_s,
+                    send_buffer_bytes=self.send_buffer_bytes,
+                    stopped=lambda: self._stopped(request))
             else:
                 result = await asyncio.shield(task)
                 if result["finish_reason"] == "cancelled":
@@ -719,7 +546,7 @@ class HttpFront:
                 response = web.Response(body=replies.whole(result),
                                         content_type="application/json")
         except asyncio.CancelledError:
-            await _settle(ctx, task, fields)  # the client left
+            await settle(ctx, task, fields)  # the client left
             raise
         except (asyncio.TimeoutError, ConnectionError) as exc:
             # A stream the client stopped reading (or reset): end it and its generation.
@@ -728,7 +555,7 @@ class HttpFront:
                             "cutting it off", self.config.read_timeout_s)
             if request.transport is not None:
                 request.transport.abort()
-            await _settle(ctx, task, fields)
+            await settle(ctx, task, fields)
             return web.Response(status=499), "cancelled"
         fields.update(ctx.log_fields)
         return response, ctx.outcome or "ok"
@@ -739,55 +566,6 @@ class HttpFront:
         if request.transport is not None:
             request.transport.abort()
 
-    async def _stream(self, request: web.Request, replies: Replies,
-                      task: asyncio.Future[Any], exchange: _Exchange) -> web.StreamResponse:
-        """A stream in the dialect's framing: the headers go out with the first token,
-        so an error before it (a bad image, a prompt too long) is still a plain HTTP
-        error."""
-        response: web.StreamResponse | None = None
-        timeout = self.config.read_timeout_s
-        if request.transport is not None:
-            # What a stream may leave in the kernel and in the transport, as on the Unix
-            # socket (http.send_buffer_bytes); past it writes wait, events queue up to
-            # http.max_unsent_events, and then the client is cut off.
-            with contextlib.suppress(OSError, AttributeError):
-                request.transport.get_extra_info("socket").setsockopt(
-                    socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
-            request.transport.set_write_buffer_limits(high=self.send_buffer_bytes)
-
-        async def send(data: bytes) -> None:
-            nonlocal response
-            if response is None:
-                response = web.StreamResponse(headers={
-                    "Content-Type": replies.media_type, "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no"})
-                await response.prepare(request)
-                data = replies.first() + data
-            if data:
-                # A client that stops reading: the write waits for room at most this long.
-                await asyncio.wait_for(response.write(data), timeout)
-
-        # Token events come through the loop before the generation's end does (both are
-        # handed over with call_soon_threadsafe, in order), so the end closes the queue.
-        task.add_done_callback(lambda _: exchange.events.put_nowait(_END))
-        while (event := await exchange.events.get()) is not _END:
-            frames = replies.tokens(event)
-            if frames:
-                await send(frames)
-        try:
-            result = task.result()
-            if result["finish_reason"] == "cancelled":  # by a drain: the client is here
-                raise self._stopped(request)
-        except QvlError as exc:
-            if response is None:
-                raise
-            await send(replies.failed(exc))
-            await response.write_eof()
-            return response
-        await send(replies.last(result))
-        assert response is not None
-        await response.write_eof()
-        return response
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """The Anthropic Messages API (``anthropic``), on the same generation path."""
@@ -927,7 +705,7 @@ class HttpFront:
         await self._fetch_images(asked.remote_images)
         ctx = RequestContext(request=protocol.Request(next(self._ids), "count_tokens",
                                                       asked.params),
-                             peer=caller.peer, connection=_Exchange(1))
+                             peer=caller.peer, connection=Exchange(1))
         counted = await self.dispatch(ctx)
         return web.json_response({"input_tokens": counted["input_tokens"]})
 
@@ -991,14 +769,6 @@ def _not_an_image(data: bytes) -> str | None:
     return None if openai.image_format(data) is not None else "is not PNG, JPEG, WebP, GIF or BMP"
 
 
-async def _settle(ctx: RequestContext, task: asyncio.Future[Any],
-                  fields: dict[str, Any]) -> None:
-    """Cancel a generation whose client is gone and wait for it to stop (at its next
-    step), so that its log line says what it generated."""
-    ctx.cancel()
-    with contextlib.suppress(Exception, asyncio.CancelledError):
-        await asyncio.wait_for(asyncio.shield(task), 30)
-    fields.update(ctx.log_fields)
 
 
 def _over_tcp(request: web.Request) -> bool:
