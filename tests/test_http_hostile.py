@@ -412,20 +412,20 @@ def test_ten_thousand_connections(daemon: HttpDaemon) -> None:
     assert daemon.proc is not None
     fds_before = open_fds(daemon.proc.pid)
     conns: list[socket.socket] = []
+    # The kernel queues at most net.core.somaxconn handshakes the daemon has not yet
+    # accepted; past that it drops the client's last ACK and, after its SYN-ACK retries,
+    # forgets a connection its client believes open (a hang the kernel makes, whatever
+    # the daemon does; on a loaded machine CI saw 198 of them). So the flood keeps at
+    # most half that queue unanswered at any moment: 10 000 connections, as fast as the
+    # daemon takes them.
+    window = min(int(Path("/proc/sys/net/core/somaxconn").read_text()), 4096) // 2
     try:
         selector = selectors.DefaultSelector()
-        for _ in range(10_000):
-            conn = socket.socket()
-            conn.setblocking(False)
-            conn.connect_ex(("127.0.0.1", daemon.port))
-            conns.append(conn)
-            selector.register(conn, selectors.EVENT_READ)
         # Past the limit, connections are answered 429 and closed at once, unread.
         replies: collections.Counter[str] = collections.Counter()
-        t0 = time.monotonic()
-        deadline = t0 + 120
-        while replies.total() < 10_000 and time.monotonic() < deadline:
-            for key, _ in selector.select(timeout=1):
+
+        def take_replies(timeout: float) -> None:
+            for key, _ in selector.select(timeout=timeout):
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
                 try:
@@ -434,13 +434,28 @@ def test_ten_thousand_connections(daemon: HttpDaemon) -> None:
                     data = type(exc).__name__.encode()
                 replies[data[:12].decode(errors="replace")] += 1
                 selector.unregister(sock)
+
+        t0 = time.monotonic()
+        deadline = t0 + 120
+        while len(conns) < 10_000 and time.monotonic() < deadline:
+            if len(conns) - replies.total() >= window:
+                take_replies(timeout=1)
+                continue
+            conn = socket.socket()
+            conn.setblocking(False)
+            conn.connect_ex(("127.0.0.1", daemon.port))
+            conns.append(conn)
+            selector.register(conn, selectors.EVENT_READ)
+        while replies.total() < len(conns) and time.monotonic() < deadline:
+            take_replies(timeout=1)
         elapsed = time.monotonic() - t0
         # Each was answered 429 at once, or held (a slot of the limit) until the idle
         # timer closed it (the empty reply); none was reset or left hanging. A slot holds
         # one idle connection per read timeout, so at most this many were held:
         held = MAX_CONNECTIONS * (elapsed / READ_TIMEOUT_S + 1)
         assert set(replies) <= {"HTTP/1.1 429", ""} and replies.total() == 10_000, (
-            replies, f"{elapsed:.1f} s", f"{open_fds(daemon.proc.pid)} descriptors open")
+            replies, f"{len(conns)} opened", f"{elapsed:.1f} s",
+            f"{open_fds(daemon.proc.pid)} descriptors open")
         assert replies[""] <= held, (replies, elapsed)
         print(f"10 000 connections: {dict(replies)} within {elapsed:.1f} s")
         # The daemon holds no more than its limit; the socket side serves meanwhile.
