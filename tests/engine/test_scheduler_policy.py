@@ -323,6 +323,27 @@ def test_step_cost_learns_a_decoding_step_and_a_row_from_the_steps_run() -> None
     assert cost.rows_within(1.5) == MIN_SHARED_ROWS  # 10 rows: never below the floor
 
 
+
+def test_a_step_that_waited_for_the_cpu_does_not_move_what_a_step_costs() -> None:
+    """On a loaded machine a decoding step now and then takes ten times its cost (the
+    scheduler test saw a bound past 511 rows beside a decoding token once): the costs
+    are medians of the latest steps, so one such step changes neither."""
+    cost = StepCost()
+    for _ in range(8):
+        cost.observe(1, 0, 0.010)
+    cost.observe(1, 200, 0.110)
+    assert cost.rows_within(2.0) == 20
+    cost.observe(1, 0, 0.500)  # preempted: fifty times a decoding step
+    cost.observe(1, 300, 0.160)  # a row step that ran as usual
+    assert cost.decode_s == pytest.approx(0.010)
+    assert cost.row_s == pytest.approx(0.0005)
+    assert cost.rows_within(2.0) == 20
+    # A lasting change is followed: once most of the latest steps cost 20 ms, so does one.
+    for _ in range(StepCost.WINDOW // 2 + 1):
+        cost.observe(1, 0, 0.020)
+    assert cost.decode_s == pytest.approx(0.020)
+
+
 def decoding_beside(s: StepScheduler, prompt: int) -> tuple[Sequence, Sequence]:
     """Alice decoding; then bob's prompt of ``prompt`` rows admitted beside her."""
     alice = make_seq(s.pool, ALICE, 2, answer=1000)

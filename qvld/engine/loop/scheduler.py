@@ -64,6 +64,7 @@ or waiting.
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -80,27 +81,29 @@ MIN_SHARED_ROWS = 16
 
 
 class StepCost:
-    """What a step costs, as moving averages of the steps the loop ran: a decoding
-    step's seconds (steps that fed decoding tokens only) and a row's beyond that (steps
-    that fed at least ``ROWS_TO_MEASURE`` other rows)."""
+    """What a step costs, as medians of the latest steps the loop ran: a decoding step's
+    seconds (steps that fed decoding tokens only) and a row's beyond that (steps that fed
+    at least ``ROWS_TO_MEASURE`` other rows). Medians, not averages: on a shared box a
+    step now and then waits for the CPU (another process, a page fault), and one such
+    step must not make a decoding step look ten times dearer or a row free."""
 
-    WEIGHT = 0.1  # of the newest step in each average
+    WINDOW = 15  # latest steps of each kind the medians are taken over
     ROWS_TO_MEASURE = 64
 
     def __init__(self) -> None:
         self.decode_s: float | None = None
         self.row_s: float | None = None
+        self._decode_steps: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self._row_costs: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
 
     def observe(self, decoding: int, others: int, seconds: float) -> None:
         """A step fed ``decoding`` decoding tokens and ``others`` other rows."""
         if not others and decoding:
-            self.decode_s = self._average(self.decode_s, seconds)
+            self._decode_steps.append(seconds)
+            self.decode_s = statistics.median(self._decode_steps)
         elif others >= self.ROWS_TO_MEASURE and self.decode_s is not None:
-            row_s = max(seconds - self.decode_s, 0.0) / others
-            self.row_s = self._average(self.row_s, row_s)
-
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.WEIGHT * (new - old)
+            self._row_costs.append(max(seconds - self.decode_s, 0.0) / others)
+            self.row_s = statistics.median(self._row_costs)
 
     def rows_within(self, factor: float) -> int | None:
         """Rows a decoding step may take on and cost at most ``factor`` of one (at
