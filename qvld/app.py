@@ -31,7 +31,8 @@ from qvld.engine import Engine
 from qvld.engine.runners import Generation
 from qvld.errors import ModelInvalid, Unavailable
 from qvld.handlers import DaemonState, Handlers
-from qvld.http.server import HttpFront, HttpSetupError, load_http
+from qvld.http.callers import HttpSetupError, load_http
+from qvld.http.server import HttpFront
 from qvld.journal import JournalHandler, stderr_fallback
 from qvld.logfields import FIELDS_ATTR
 from qvld.metrics import Exporter, Metrics
@@ -228,7 +229,7 @@ class App:
 
     def user_label(self, uid: int) -> str:
         """Who ``uid`` is, for people: an HTTP user's key name, else ``uid:N``."""
-        name = self.http.users.name(uid) if self.http is not None else None
+        name = self.http.callers.users.name(uid) if self.http is not None else None
         return name if name is not None else f"uid:{uid}"
 
     def _generations(self) -> list[Generation]:

@@ -107,7 +107,7 @@ def config_source(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
 def check_config(config: Config) -> int:
     from qvld.engine.model.model_dir import load_model_spec, processor_settings, resolve_backend
     from qvld.errors import ModelInvalid
-    from qvld.http.server import HttpSetupError, load_http
+    from qvld.http.callers import HttpSetupError, load_http
 
     try:
         load_http(config.http)  # the keys file and the fetch allow-lists

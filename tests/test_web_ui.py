@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from qvld.http.keys import hash_key
-from tests.conftest import TINY
+from tests.conftest import TINY, wait_for
 from tests.test_http import RECEIPT, HttpDaemon
 
 pytestmark = pytest.mark.slow
@@ -184,7 +184,9 @@ def test_stop_ends_the_answer_in_the_daemon(browser: Any, daemon: HttpDaemon) ->
         expect(page.locator(LIVE)).to_contain_text("(stopped)")
         daemon.wait_queue(0, 0, timeout=10)  # the generation ended in the daemon too
         expect(page.get_by_role("button", name="Send")).to_be_enabled()
-        assert "cancelled" in daemon.log()
+        # The request's log line is written once its handler has settled it.
+        wait_for(lambda: "cancelled" in daemon.log(), 10, "the stopped request's log line",
+                 detail=daemon.log)
         # #49: Escape stopped an answer only from the question box, and a stopped
         # answer had no timings line. Now from anywhere, with what the page measured.
         expect(page.locator("#timings")).to_contain_text("stopped after")

@@ -37,8 +37,8 @@ from typing import Any
 
 from qvld.config import did_you_mean
 from qvld.errors import QvlError
-from qvld.http.dialect import dumps_with_raw, raw_json
-from qvld.http.openai import DATA_URL, RemoteImage, bad, data_url_bytes, error_status, sse
+from qvld.http.dialect import bad, dumps_with_raw, error_status, raw_json, sse
+from qvld.http.media import DATA_URL, RemoteImage, data_url_bytes
 
 FIELDS = frozenset({
     "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "tools",

@@ -33,8 +33,8 @@ import pybase64
 
 from qvld.config import did_you_mean
 from qvld.errors import ImageInvalid, QvlError
-from qvld.http.dialect import dumps_with_raw, raw_json
-from qvld.http.openai import bad, error_status, image_format
+from qvld.http.dialect import bad, dumps_with_raw, error_status, raw_json
+from qvld.http.media import image_format
 
 CHAT_FIELDS = frozenset({"model", "messages", "tools", "format", "options", "stream",
                          "keep_alive", "think", "logprobs", "top_logprobs"})

@@ -22,20 +22,16 @@ Extensions, as llama-server and vLLM accept them: ``top_k``, ``min_p``,
 
 from __future__ import annotations
 
-import binascii
-import json
 import re
-import secrets
-import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import pybase64
 
 from qvld.config import did_you_mean
 from qvld.engine.inputs.request import MAX_CHOICES
 from qvld.engine.inputs.tools import parse_tools
-from qvld.errors import BadRequest, ImageInvalid, QvlError, VideoInvalid
+from qvld.errors import BadRequest, QvlError
+from qvld.http.dialect import bad, error_status
+from qvld.http.media import RemoteImage, data_url_bytes, is_http_url, video_data_url_bytes
 
 FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -69,21 +65,9 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # order, so it is accepted and not used.
 MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id",
                           "refusal"})
-IMAGE_TYPES = {"png": b"\x89PNG\r\n\x1a\n", "jpeg": b"\xff\xd8\xff", "gif": b"GIF8",
-               "bmp": b"BM"}  # what the engine decodes (image.FORMATS), on both fronts
-DATA_URL = re.compile(r"data:image/([a-z0-9.+-]+)(;[a-z0-9=.+-]+)*;base64,", re.IGNORECASE)
-VIDEO_DATA_URL = re.compile(r"data:video/([a-z0-9.+-]+)(;[a-z0-9=.+-]+)*;base64,",
-                            re.IGNORECASE)
 MAX_USER_CHARS = 256
 
-# HTTP status by error code, and the error "type" OpenAI's clients show.
-STATUS = {"bad_request": 400, "unsupported_version": 400, "image_invalid": 400,
-          "image_too_large": 400, "video_invalid": 400, "prompt_too_long": 400,
-          "frame_too_large": 413,
-          "invalid_api_key": 401, "forbidden": 403, "not_found": 404,
-          "method_not_allowed": 405, "session_lost": 409, "busy": 429, "unavailable": 503,
-          "timeout": 504,
-          "internal": 500}
+# The error "type" OpenAI's clients show, by HTTP status.
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
          409: "invalid_request_error",
@@ -91,23 +75,6 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          421: "invalid_request_error",
          429: "rate_limit_error", 500: "server_error", 503: "unavailable_error",
          504: "timeout_error"}
-
-
-def bad(param: str, message: str) -> BadRequest:
-    """A bad_request that names the offending field (OpenAI's ``param``)."""
-    exc = BadRequest(message)
-    exc.param = param or None  # type: ignore[attr-defined]
-    return exc
-
-
-@dataclass
-class RemoteImage:
-    """An http(s) image_url (or video_url) part: fetched by the caller, its bytes put in
-    ``part[kind]``."""
-
-    url: str
-    part: dict[str, Any]
-    kind: str = "image"
 
 
 @dataclass
@@ -149,7 +116,7 @@ def parse_chat(body: Any, session: str | None = None,
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise bad("stream", "stream must be true or false")
-    include_usage = _stream_options(body.get("stream_options"), stream)
+    include_usage = stream_options(body.get("stream_options"), stream)
     messages, remote, details = _messages(body.get("messages"))
     params: dict[str, Any] = {"messages": messages, "stream": stream}
     tokens = _max_tokens(body)
@@ -266,16 +233,7 @@ def _logprobs(body: dict[str, Any]) -> int | None:
     return top or 0
 
 
-def logprobs_content(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Protocol v1's logprobs entries -> OpenAI's ``logprobs.content``."""
-    def one(entry: dict[str, Any]) -> dict[str, Any]:
-        return {"token": entry["token"], "logprob": entry["logprob"],
-                "bytes": list(entry["token"].encode())}
-
-    return [{**one(e), "top_logprobs": [one(t) for t in e["top"]]} for e in entries]
-
-
-def _stream_options(options: Any, stream: bool) -> bool:
+def stream_options(options: Any, stream: bool) -> bool:
     if options is None:
         return False
     if not stream:
@@ -367,7 +325,7 @@ def _part(part: Any, where: str, remote: list[RemoteImage],
     details.append(detail)
     if url[:5].lower() == "data:":
         return {"type": "image", "image": data_url_bytes(url, where)}
-    if url[:7].lower() == "http://" or url[:8].lower() == "https://":
+    if is_http_url(url):
         placeholder: dict[str, Any] = {"type": "image", "image": None}
         remote.append(RemoteImage(url, placeholder))
         return placeholder
@@ -386,291 +344,14 @@ def _video_part(part: dict[str, Any], where: str,
     if not isinstance(url, str):
         raise bad(f"{where}.video_url.url", f"{where}.video_url.url must be a string")
     if url[:5].lower() == "data:":
-        match = VIDEO_DATA_URL.match(url)
-        if match is None:
-            raise VideoInvalid(f"{where}: a video data URL must be "
-                               "data:video/<type>;base64,<data>")
-        try:
-            data = pybase64.b64decode(url[match.end():].encode("ascii"), validate=True)
-        except (binascii.Error, ValueError, UnicodeEncodeError):
-            raise VideoInvalid(f"{where}: the data URL is not valid base64") from None
+        data = video_data_url_bytes(url, where)
         return {"type": "video", "video": data}
-    if url[:7].lower() == "http://" or url[:8].lower() == "https://":
+    if is_http_url(url):
         placeholder: dict[str, Any] = {"type": "video", "video": None}
         remote.append(RemoteImage(url, placeholder, "video"))
         return placeholder
     raise bad(f"{where}.video_url.url", f"{where}.video_url.url must be a data: URL "
               "(or http(s) where the server fetches URLs)")
-
-
-def data_url_bytes(url: str, where: str = "image_url") -> bytes:
-    """The image in a ``data:image/...;base64,`` URL; PNG, JPEG, WebP, GIF or BMP only."""
-    match = DATA_URL.match(url)
-    if match is None:
-        raise ImageInvalid(f"{where}: a data URL must be data:image/<type>;base64,<data>")
-    try:
-        # pybase64 (SIMD): the standard library takes 2.4 ms per 400 KB image here, on
-        # the way to the first token; this takes 0.05 ms.
-        data = pybase64.b64decode(url[match.end():].encode("ascii"), validate=True)
-    except (binascii.Error, ValueError, UnicodeEncodeError):
-        raise ImageInvalid(f"{where}: the data URL is not valid base64") from None
-    if image_format(data) is None:
-        raise ImageInvalid(f"{where}: the image must be PNG, JPEG, WebP, GIF or BMP")
-    return data
-
-
-def image_format(data: bytes) -> str | None:
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "webp"
-    return next((name for name, magic in IMAGE_TYPES.items() if data.startswith(magic)),
-                None)
-
-
-# -- replies ----------------------------------------------------------------------------
-
-def completion_id() -> str:
-    return "chatcmpl-" + secrets.token_hex(12)
-
-
-def usage(result: dict[str, Any]) -> dict[str, Any]:
-    """protocol v1's usage, in OpenAI's names (image tokens count as prompt tokens;
-    the tokens a response format forced, fed without sampling, under
-    ``completion_tokens_details``)."""
-    u = result["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"],
-                                      "image_tokens": u["image_tokens"]},
-            "completion_tokens_details": {"reasoning_tokens": 0,
-                                          "forced_tokens": u.get("forced_tokens", 0)}}
-
-
-def _extras(result: dict[str, Any]) -> dict[str, Any]:
-    """What protocol v1 says besides: timings (as llama-server adds them), the session."""
-    out = {"timings": result["timings"]}
-    if "session" in result:
-        out["session"] = result["session"]
-    return out
-
-
-def message(result: dict[str, Any]) -> dict[str, Any]:
-    """The answer as OpenAI's assistant message: content (null beside calls when there is
-    no text), and the calls."""
-    calls = result.get("tool_calls")
-    if not calls:
-        return {"role": "assistant", "content": result["text"]}
-    return {"role": "assistant", "content": result["text"] or None, "tool_calls": calls}
-
-
-def call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A stream's tool-call deltas, as OpenAI sends them: each call's index, id, type and
-    name with empty arguments, then its arguments."""
-    deltas: list[dict[str, Any]] = []
-    for i, call in enumerate(calls):
-        function = call["function"]
-        deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                       "function": {"name": function["name"],
-                                                    "arguments": ""}}]})
-        deltas.append({"tool_calls": [{"index": i, "function": {
-            "arguments": function["arguments"]}}]})
-    return deltas
-
-
-def choices(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """protocol v1's choices (``n`` > 1), or the result as the one choice."""
-    return list(result.get("choices") or [{"index": 0, **result}])
-
-
-def completion(result: dict[str, Any], cid: str, created: int, model: str) -> dict[str, Any]:
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c["index"], "message": message(c),
-                         "finish_reason": c["finish_reason"],
-                         "logprobs": None if c.get("logprobs") is None else
-                         {"content": logprobs_content(c["logprobs"])}}
-                        for c in choices(result)],
-            "usage": usage(result), **_extras(result)}
-
-
-def chunk(cid: str, created: int, model: str, delta: dict[str, Any],
-          finish_reason: str | None = None,
-          logprobs: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
-    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,
-                         "logprobs": None if logprobs is None else
-                         {"content": logprobs_content(logprobs)}}]}
-
-
-def usage_chunk(result: dict[str, Any], cid: str, created: int, model: str
-                ) -> dict[str, Any]:
-    """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
-    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [], "usage": usage(result), **_extras(result)}
-
-
-def sse(*events: dict[str, Any] | str, names: tuple[str | None, ...] = ()) -> bytes:
-    """Server-Sent Events: each a ``data:`` line (JSON, or a literal like ``[DONE]``),
-    after an ``event:`` line where ``names`` gives one (Anthropic's streams)."""
-    out = []
-    for i, event in enumerate(events):
-        name = names[i] if i < len(names) else None
-        data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False)
-        out.append((f"event: {name}\n" if name else "") + f"data: {data}\n\n")
-    return "".join(out).encode()
-
-
-class ChatReplies:
-    """How chat completions answer: a ``chat.completion``, or a stream of
-    ``chat.completion.chunk`` events (one role chunk per choice first, the content as
-    it comes, the calls and finish reasons, the usage when asked, ``[DONE]``)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, chat: ChatRequest, model: str) -> None:
-        self.ident = (completion_id(), int(time.time()), model)
-        self.n = int(chat.params.get("n", 1))
-        self.include_usage = chat.include_usage
-
-    def whole(self, result: dict[str, Any]) -> bytes:
-        return json.dumps(completion(result, *self.ident), ensure_ascii=False).encode()
-
-    def first(self) -> bytes:
-        return sse(*(chunk(*self.ident, {"role": "assistant", "content": ""}, index=i)
-                     for i in range(self.n)))
-
-    def tokens(self, event: dict[str, Any]) -> bytes:
-        if not (event["text"] or event.get("logprobs")):  # ids alone (a held tool call)
-            return b""
-        return sse(chunk(*self.ident, {"content": event["text"]},
-                         logprobs=event.get("logprobs"), index=event.get("index", 0)))
-
-    def last(self, result: dict[str, Any]) -> bytes:
-        tail: list[dict[str, Any] | str] = []
-        for choice in choices(result):
-            i = choice["index"]
-            tail += [chunk(*self.ident, delta, index=i)
-                     for delta in call_deltas(choice.get("tool_calls") or [])]
-            tail.append(chunk(*self.ident, {}, choice["finish_reason"], index=i))
-        if self.include_usage:
-            tail.append(usage_chunk(result, *self.ident))
-        return sse(*tail, "[DONE]")
-
-    def failed(self, exc: QvlError) -> bytes:
-        return sse(error_body(exc)[1])
-
-
-# -- text completions (the legacy API some clients still post to) -------------------------
-
-COMPLETION_FIELDS = frozenset({
-    "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-    "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user", "echo",
-    "suffix", "best_of", "logprobs",
-    # extensions, as on chat completions
-    "top_k", "min_p", "repetition_penalty", "ignore_eos",
-})
-COMPLETION_PASSED = ("temperature", "top_p", "stop", "seed", "presence_penalty",
-                     "frequency_penalty", "logit_bias", "top_k", "min_p",
-                     "repetition_penalty", "ignore_eos")
-COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's (and vLLM's) for this API
-
-
-def parse_completion(body: Any) -> ChatRequest:
-    """A ``POST /v1/completions`` body -> protocol v1 params with a raw ``prompt`` (no
-    chat template, text only). ``max_tokens`` defaults to 16, as OpenAI's API does."""
-    if not isinstance(body, dict):
-        raise bad("", "the request body must be a JSON object")
-    for name in body:
-        if name not in COMPLETION_FIELDS:
-            hint = did_you_mean(str(name), COMPLETION_FIELDS)
-            raise bad(str(name), f"unknown field {name!r}{hint}")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise bad("prompt", "prompt must be a string (one prompt per request)")
-    for name, off in (("echo", (None, False)), ("suffix", (None, "")), ("best_of", (None, 1)),
-                      ("logprobs", (None,))):
-        if body.get(name) not in off:
-            raise bad(name, f"{name} is not supported by this server")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise bad("stream", "stream must be true or false")
-    include_usage = _stream_options(body.get("stream_options"), stream)
-    n = body.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool)
-                          or not 1 <= n <= MAX_CHOICES):
-        raise bad("n", f"n must be an integer within 1..{MAX_CHOICES}")
-    params: dict[str, Any] = {"prompt": prompt, "stream": stream,
-                              "max_tokens": body.get("max_tokens",
-                                                     COMPLETION_DEFAULT_TOKENS)}
-    if params["max_tokens"] is None:
-        params["max_tokens"] = COMPLETION_DEFAULT_TOKENS
-    for name in COMPLETION_PASSED:
-        if body.get(name) is not None:
-            params[name] = body[name]
-    if n is not None and n > 1:
-        params["n"] = n
-    user = body.get("user")
-    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
-        raise bad("user", f"user must be a string of at most {MAX_USER_CHARS} characters")
-    return ChatRequest(params, stream, include_usage, body.get("model"), user)
-
-
-class CompletionReplies:
-    """How text completions answer: a ``text_completion``, or its chunks and
-    ``[DONE]``."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, asked: ChatRequest, model: str) -> None:
-        self.ident = ("cmpl-" + secrets.token_hex(12), int(time.time()), model)
-        self.include_usage = asked.include_usage
-
-    def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        cid, created, model = self.ident
-        return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": choices}
-
-    def whole(self, result: dict[str, Any]) -> bytes:
-        return json.dumps({**self._body([
-            {"index": c["index"], "text": c["text"], "logprobs": None,
-             "finish_reason": _completion_reason(c)} for c in choices(result)]),
-            "usage": usage(result)}, ensure_ascii=False).encode()
-
-    def first(self) -> bytes:
-        return b""
-
-    def tokens(self, event: dict[str, Any]) -> bytes:
-        if not event["text"]:
-            return b""
-        return sse(self._body([{"index": event.get("index", 0), "text": event["text"],
-                                "logprobs": None, "finish_reason": None}]))
-
-    def last(self, result: dict[str, Any]) -> bytes:
-        tail: list[dict[str, Any] | str] = [self._body([{
-            "index": c["index"], "text": "", "logprobs": None,
-            "finish_reason": _completion_reason(c)}]) for c in choices(result)]
-        if self.include_usage:
-            tail.append({**self._body([]), "usage": usage(result)})
-        return sse(*tail, "[DONE]")
-
-    def failed(self, exc: QvlError) -> bytes:
-        return sse(error_body(exc)[1])
-
-
-def _completion_reason(choice: dict[str, Any]) -> str:
-    return "length" if choice["finish_reason"] == "length" else "stop"
-
-
-def status_of(code: str) -> int:
-    return STATUS.get(code, 500)
-
-
-def error_status(exc: QvlError | None, code: str, message: str) -> tuple[int, str]:
-    """(HTTP status, message) of a qvld error, or of an HTTP-level one (``code``):
-    every dialect's error shape starts from these."""
-    if exc is None:
-        return status_of(code), message
-    return getattr(exc, "http_status", None) or status_of(exc.code), exc.message
 
 
 def error_body(exc: QvlError | None = None, *, code: str = "", message: str = "",

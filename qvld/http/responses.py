@@ -1,5 +1,6 @@
 """OpenAI's Responses API (``POST /v1/responses``) <-> protocol v1 ``generate``:
-translation, and the responses kept for ``previous_response_id``; no I/O.
+translation only, no I/O (what ``previous_response_id`` names is kept by
+``response_store``).
 
 ``parse_responses`` turns a body into protocol v1 params:
 
@@ -22,23 +23,22 @@ translation, and the responses kept for ``previous_response_id``; no I/O.
 
 ``ResponseReplies`` shapes a ``response`` object or the semantic stream events
 (``response.created``, ``response.output_item.added``, ``response.output_text.delta``,
-``response.function_call_arguments.delta``, ``response.completed``...). ``Responses``
-keeps each user's stored responses, bounded in count and bytes.
+``response.function_call_arguments.delta``, ``response.completed``...).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from qvld.config import did_you_mean
 from qvld.errors import QvlError
-from qvld.http.openai import RemoteImage, bad, data_url_bytes, error_body, sse
+from qvld.http.dialect import bad, sse
+from qvld.http.media import RemoteImage, data_url_bytes
+from qvld.http.openai import error_body
 
 FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
@@ -60,15 +60,6 @@ ACCEPTED: dict[str, tuple[type, ...]] = {
     "top_logprobs": (int,)}
 ROLES = {"user": "user", "assistant": "assistant", "system": "system",
          "developer": "system"}
-# What one user may keep for previous_response_id: the oldest go first.
-KEPT_PER_USER = 64
-KEPT_BYTES_PER_USER = 64 << 20
-
-
-class NotFound(QvlError):
-    """A stored response this user does not have (HTTP 404)."""
-
-    code = "not_found"
 
 
 @dataclass
@@ -400,68 +391,3 @@ class ResponseReplies:
         _, body = error_body(exc)
         return self._events(*self._started(), {"type": "error", "code": body["error"]["code"],
                              "message": body["error"]["message"], "param": None})
-
-
-# -- what is kept -----------------------------------------------------------------------
-
-def _size(value: Any) -> int:
-    """About the bytes ``value`` holds (images' bytes, text)."""
-    if isinstance(value, bytes | str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_size(v) for v in value.values()) + 16
-    if isinstance(value, list):
-        return sum(_size(v) for v in value) + 8
-    return 8
-
-
-# A stored response: the object, the conversation that led to it, its size.
-Kept = tuple[dict[str, Any], list[dict[str, Any]], int]
-NOTHING: collections.OrderedDict[str, Kept] = collections.OrderedDict()
-
-
-class Responses:
-    """Each user's stored responses (``store``, the default): the response object and
-    the conversation that led to it, for ``GET``/``DELETE`` and ``previous_response_id``.
-    At most ``KEPT_PER_USER`` of them and ``KEPT_BYTES_PER_USER`` (images count) per
-    user: the oldest go first. Never shared between users."""
-
-    def __init__(self, per_user: int = KEPT_PER_USER,
-                 bytes_per_user: int = KEPT_BYTES_PER_USER) -> None:
-        self.per_user = per_user
-        self.bytes_per_user = bytes_per_user
-        self._lock = threading.Lock()
-        # uid -> response id -> (response, conversation, size), oldest first
-        self._kept: dict[int, collections.OrderedDict[str, Kept]] = {}
-
-    def keep(self, uid: int, response: dict[str, Any],
-             conversation: list[dict[str, Any]]) -> None:
-        size = _size(conversation)
-        with self._lock:
-            mine = self._kept.setdefault(uid, collections.OrderedDict())
-            mine[response["id"]] = (response, conversation, size)
-            while mine and (len(mine) > self.per_user or
-                            sum(s for _, _, s in mine.values()) > self.bytes_per_user):
-                mine.popitem(last=False)
-
-    def conversation(self, uid: int, rid: str) -> list[dict[str, Any]]:
-        with self._lock:
-            found = self._kept.get(uid, NOTHING).get(rid)
-        if found is None:
-            raise bad("previous_response_id", f"previous response {rid!r} not found "
-                      "(kept per user, the latest only; store: false keeps none)")
-        return list(found[1])
-
-    def get(self, uid: int, rid: str) -> dict[str, Any]:
-        with self._lock:
-            found = self._kept.get(uid, NOTHING).get(rid)
-        if found is None:
-            raise NotFound(f"response {rid!r} not found")
-        return found[0]
-
-    def delete(self, uid: int, rid: str) -> None:
-        with self._lock:
-            mine = self._kept.get(uid, NOTHING)
-            if rid not in mine:
-                raise NotFound(f"response {rid!r} not found")
-            del mine[rid]

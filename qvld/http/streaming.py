@@ -1,21 +1,27 @@
-"""A generation's answer over HTTP: its token events carried from the engine's threads
-to the request's handler (``Exchange``, bounded by ``http.max_unsent_events``), a
-stream in the dialect's framing (``Replies``: SSE or NDJSON), and the end of a
-generation whose client left (``settle``)."""
+"""A generation over HTTP, the same for every dialect (``Generations.run``): protocol v1
+``generate`` dispatched to the handlers, its token events carried from the engine's
+threads to the request's handler (``Exchange``, bounded by ``http.max_unsent_events``),
+the answer whole or as a stream in the dialect's framing (``Replies``: SSE or NDJSON),
+and the end of a generation whose client left (``settle``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
 
+from qvld import protocol
+from qvld.config import HttpConfig
 from qvld.errors import QvlError
 from qvld.http.dialect import Replies
-from qvld.server import RequestContext
+from qvld.server import Peer, RequestContext
+
+log = logging.getLogger("qvld.http")
 
 END: dict[str, Any] = {}  # closes an exchange's queue of events
 
@@ -45,7 +51,7 @@ class Exchange:
         self.events.put_nowait(message)
 
 
-async def stream(request: web.Request, replies: Replies, task: asyncio.Future[Any],
+async def send_stream(request: web.Request, replies: Replies, task: asyncio.Future[Any],
                  exchange: Exchange, *, timeout: float, send_buffer_bytes: int,
                  stopped: Callable[[], QvlError]) -> web.StreamResponse:
     """A stream in the dialect's framing: the headers go out with the first token,
@@ -104,3 +110,70 @@ async def settle(ctx: RequestContext, task: asyncio.Future[Any],
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(asyncio.shield(task), 30)
     fields.update(ctx.log_fields)
+
+
+class Generations:
+    """Runs requests through the handlers, as the Unix socket does: ``dispatch`` (the
+    app's), request ids from ``ids``, the limits of ``settings()`` (as the last reload
+    left them), and ``stopped(request)``: why the daemon ended a generation."""
+
+    def __init__(self, dispatch: Callable[[RequestContext], Awaitable[Any]],
+                 ids: Iterator[int], settings: Callable[[], HttpConfig],
+                 stopped: Callable[[web.Request], QvlError]) -> None:
+        self.dispatch = dispatch
+        self.ids = ids
+        self.settings = settings
+        self.stopped = stopped
+
+    async def call(self, op: str, params: dict[str, Any], peer: Peer) -> Any:
+        """A request that answers at once (no token events), e.g. count_tokens."""
+        ctx = RequestContext(request=protocol.Request(next(self.ids), op, params),
+                             peer=peer, connection=Exchange(1))
+        return await self.dispatch(ctx)
+
+    async def run(self, request: web.Request, params: dict[str, Any], stream: bool,
+                  replies: Replies, peer: Peer, fields: dict[str, Any]
+                  ) -> tuple[web.StreamResponse, str]:
+        """Run the generation (protocol v1 ``params``); the response, shaped by the
+        dialect's ``replies``, and the outcome to account."""
+        config = self.settings()
+        rid = next(self.ids)
+        exchange = Exchange(config.max_unsent_events)
+        ctx = RequestContext(request=protocol.Request(rid, "generate", params),
+                             peer=peer, connection=exchange)
+        exchange.on_overflow = lambda: _cut_off(request, ctx)
+        exchange.in_flight[rid] = ctx
+        task = asyncio.ensure_future(self.dispatch(ctx))
+        try:
+            if stream:
+                response = await send_stream(
+                    request, replies, task, exchange, timeout=config.read_timeout_s,
+                    send_buffer_bytes=config.send_buffer_bytes,
+                    stopped=lambda: self.stopped(request))
+            else:
+                result = await asyncio.shield(task)
+                if result["finish_reason"] == "cancelled":
+                    raise self.stopped(request)
+                response = web.Response(body=replies.whole(result),
+                                        content_type="application/json")
+        except asyncio.CancelledError:
+            await settle(ctx, task, fields)  # the client left
+            raise
+        except (asyncio.TimeoutError, ConnectionError) as exc:
+            # A stream the client stopped reading (or reset): end it and its generation.
+            if isinstance(exc, asyncio.TimeoutError):
+                log.warning("HTTP client is not reading its stream (a write waited %g s); "
+                            "cutting it off", config.read_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+            await settle(ctx, task, fields)
+            return web.Response(status=499), "cancelled"
+        fields.update(ctx.log_fields)
+        return response, ctx.outcome or "ok"
+
+
+def _cut_off(request: web.Request, ctx: RequestContext) -> None:
+    log.warning("HTTP client is not reading its stream; cutting it off")
+    ctx.cancel()
+    if request.transport is not None:
+        request.transport.abort()

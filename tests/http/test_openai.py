@@ -13,7 +13,7 @@ from PIL import Image
 
 from qvld.engine.inputs.request import parse_generate
 from qvld.errors import BadRequest, Busy, ImageInvalid, QvlError, Timeout, Unavailable
-from qvld.http import openai
+from qvld.http import media, openai, openai_replies
 
 
 def png(size: tuple[int, int] = (8, 8), kind: str = "PNG") -> bytes:
@@ -132,7 +132,7 @@ def test_unknown_field_gets_a_did_you_mean() -> None:
 ])
 def test_data_urls_must_hold_base64_png_jpeg_webp_gif_or_bmp(url: str) -> None:
     with pytest.raises(ImageInvalid):
-        openai.data_url_bytes(url)
+        media.data_url_bytes(url)
 
 
 @pytest.mark.parametrize("kind, mime", [("PNG", "image/png"), ("JPEG", "image/jpeg"),
@@ -140,7 +140,7 @@ def test_data_urls_must_hold_base64_png_jpeg_webp_gif_or_bmp(url: str) -> None:
                                         ("BMP", "image/bmp")])
 def test_the_five_formats_are_taken(kind: str, mime: str) -> None:
     data = png(kind=kind)
-    assert openai.data_url_bytes(data_url(data, mime)) == data
+    assert media.data_url_bytes(data_url(data, mime)) == data
 
 
 def test_detail_low_asks_for_a_small_image_budget_unless_given() -> None:
@@ -174,7 +174,7 @@ RESULT = {"text": "Total: 4", "token_ids": [1, 2, 3], "finish_reason": "length",
 
 
 def test_replies_in_openais_shapes() -> None:
-    done = openai.completion(RESULT, "chatcmpl-1", 5, "tiny")
+    done = openai_replies.completion(RESULT, "chatcmpl-1", 5, "tiny")
     assert done["choices"] == [{"index": 0, "message": {"role": "assistant",
                                                         "content": "Total: 4"},
                                 "finish_reason": "length", "logprobs": None}]
@@ -184,10 +184,10 @@ def test_replies_in_openais_shapes() -> None:
                              "completion_tokens_details": {"reasoning_tokens": 0,
                                                            "forced_tokens": 0}}
     assert done["session"]["id"] == "s" and done["timings"] == {"ttft_s": 0.1}
-    part = openai.chunk("chatcmpl-1", 5, "tiny", {"content": "To"})
+    part = openai_replies.chunk("chatcmpl-1", 5, "tiny", {"content": "To"})
     assert part["object"] == "chat.completion.chunk"
     assert part["choices"][0]["delta"] == {"content": "To"}
-    last = openai.usage_chunk(RESULT, "chatcmpl-1", 5, "tiny")
+    last = openai_replies.usage_chunk(RESULT, "chatcmpl-1", 5, "tiny")
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 23
 
 
