@@ -12,9 +12,9 @@ from typing import Any
 from qvld import __version__, protocol
 from qvld.config import Config
 from qvld.engine import Engine
-from qvld.engine.engine import PreparedRequest
 from qvld.engine.inputs.prompt_builder import PrepareStopped
 from qvld.engine.inputs.request import bool_param, int_param, parse_deadline, parse_generate
+from qvld.engine.preparer import PreparedRequest
 from qvld.engine.types import GenerateResult, TokenCallback, cancelled_result
 from qvld.errors import BadRequest, Forbidden, Timeout, Unavailable, UnsupportedVersion
 from qvld.metrics import Metrics

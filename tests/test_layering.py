@@ -155,7 +155,7 @@ ENGINE_FRONT = frozenset({
 })
 FRONTS = ("qvld/app.py", "qvld/handlers.py", "qvld/server.py", "qvld/prepare.py",
           "qvld/cli.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "qvld/http")
-                                 .glob("*.py")))
+                                 .rglob("*.py")))
 
 
 def _is_an_engine(node: ast.expr) -> bool:

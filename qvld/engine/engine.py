@@ -3,16 +3,17 @@
 
 Who owns what, in the order a request meets them:
 
-- ``prepare`` (the daemon's prepare stage threads): validation, chat template,
-  tokens, decoded images (``prompts.PromptBuilder``, ``image``); a response format's
-  compile started (``constraints.GrammarCompiler``, its own fair threads).
+- ``prepare`` (``preparer.Preparer``, on the daemon's prepare stage threads):
+  validation, chat template, tokens, decoded images (``prompts.PromptBuilder``,
+  ``image``); a response format's compile started (``constraints.GrammarCompiler``,
+  its own fair threads).
 - ``submit``: bounds the waiting generations (``server.queue_max`` beyond the free
   places, each user's share kept for it) and hands each to the step loop as an
   ``Arrival``: the scheduler, the one queue, starts its encode on a slot worker (one
   thread per ``engine.infer_requests`` slot) when a slot is free and its user's turn
   has come.
-- On the slot worker (``_start``): a session turn begun (``sessions.SessionStore``;
-  its history joined, or started afresh when it cannot be rebuilt), then
+- On the slot worker (``_start``): a session turn begun (``session_turns``; its
+  history joined, or started afresh when it cannot be rebuilt), then
   ``runners.LoopRunner``: the prompt's cached prefix held, its images encoded and rows
   embedded, and the ``sequence.Sequence`` handed to the step loop.
 - The step loop (``loop.step_loop.StepLoop``, one thread) asks the step scheduler
@@ -21,8 +22,8 @@ Who owns what, in the order a request meets them:
   calls the sequence's ``on_done``. Every runtime runs there: OpenVINO's paged model
   steps every sequence in one inference; a runtime without paged attention steps them
   one by one on slots (``model.slot_paged.SlotPaged``) over the same KV blocks.
-- ``_finish``: the result, the session turn committed (and its blocks pinned), the
-  future settled.
+- ``_finish``: the result (``results``), the session turn committed (and its blocks
+  pinned), the future settled.
 """
 
 from __future__ import annotations
@@ -33,30 +34,27 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
 
 from qvld.config import Config
-from qvld.engine.decoding.constraints import Constraint, GrammarCompiler
+from qvld.engine import results
+from qvld.engine.decoding.constraints import GrammarCompiler
 from qvld.engine.decoding.generation import Decoding, never
 from qvld.engine.decoding.sampling import Sampler, SamplingParams, StopStrings
 from qvld.engine.inputs.image import PixelBudget, PreparedImage
 from qvld.engine.inputs.image_cache import ImageCache
-from qvld.engine.inputs.prompt_builder import HistoryLost, PromptBuilder, prompt_keys
-from qvld.engine.inputs.request import CheckedRequest, check, image_tokens, sampling
+from qvld.engine.inputs.prompt_builder import HistoryLost, PromptBuilder
+from qvld.engine.inputs.request import CheckedRequest
 from qvld.engine.inputs.sessions import (
-    Session,
     SessionStore,
     Turn,
     TurnInputs,
-    continued,
-    dropped,
-    kept_ids,
 )
-from qvld.engine.inputs.tools import HeldText, ToolSet, split_calls
-from qvld.engine.inputs.vision import ImageEmbedding, encode_image
+from qvld.engine.inputs.tools import HeldText
+from qvld.engine.inputs.vision import encode_image
 from qvld.engine.loop.blocks import BlockPool
 from qvld.engine.loop.sequence import Arrival
 from qvld.engine.loop.step_loop import StepLoop
@@ -70,50 +68,19 @@ from qvld.engine.model.model_dir import (
     resolve_backend,
 )
 from qvld.engine.model.tokenizer import ChatTemplate, TextTokenizer
+from qvld.engine.preparer import PreparedRequest, Preparer
 from qvld.engine.runners import Generation, LoopRunner, Ran, RunJob
+from qvld.engine.session_turns import SessionTurns
 from qvld.engine.types import (
     GenerateRequest,
     GenerateResult,
     ServedModel,
-    SessionInfo,
-    Timings,
     TokenCallback,
-    Usage,
 )
-from qvld.errors import BadRequest, Busy, ModelInvalid, PromptTooLong, SessionLost
+from qvld.errors import Busy, ModelInvalid
 from qvld.fairqueue import within_share
 
 log = logging.getLogger("qvld.engine")
-
-
-@dataclass
-class PreparedRequest:
-    """A validated request, tokenised, its images decoded: ready for a slot."""
-
-    request: GenerateRequest
-    uid: int  # who asked: sessions are per uid, and so are the caches
-    params: SamplingParams
-    max_tokens: int
-    ids: list[int]
-    images: list[PreparedImage]
-    image_starts: list[int]
-    prepare_s: float
-    # The session these ids continue (None: no session, or a new one), as prepared.
-    session: Session | None = None
-    session_version: int = 0
-    history_tokens: int = 0
-    # The session named was lost (expired, evicted, closed by an admin): a fresh start.
-    session_reset: bool = False
-    # The history's images as prepared (their raw bytes stay alive with this request),
-    # and the embeddings of those whose bytes the session had already let go.
-    history_images: list[PreparedImage] = field(default_factory=list)
-    pinned: dict[bytes, ImageEmbedding] = field(default_factory=dict)
-    # The response format's matcher, its compile started when the request arrived.
-    constraint: Constraint | None = None
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.history_tokens + len(self.ids) + self.max_tokens
 
 
 def warmup_image(size: int = 448) -> bytes:
@@ -200,7 +167,7 @@ class Engine:
         self.sessions = SessionStore(config.engine.sessions_max, config.engine.session_ttl_s,
                                      per_user=config.engine.sessions_per_user,
                                      image_budget_bytes=config.engine.session_image_mb << 20,
-                                     on_removed=self._unpin_session)
+                                     on_removed=lambda uid, sid: self.blocks.unpin((uid, sid)))
         self.prompts = PromptBuilder(self.spec, self.tokenizer, self.template, self.images,
                                      config.engine.max_decode_pixels, self.max_context,
                                      one_encoder_at_a_time=True,
@@ -212,6 +179,13 @@ class Engine:
                                         self.spec.vocab_size,
                                         self.spec.generation.eos_token_ids,
                                         cache_size=config.engine.grammar_cache_size)
+        self.preparer = Preparer(
+            config, self.spec, self.prompts, self.sessions, self.images, self.grammars,
+            max_context=self.max_context, context_set_by=self.context_set_by,
+            # The most rows one generation can hold: the context, within the KV cache.
+            rows_room=min(self.max_context, self.blocks.num_blocks * self.blocks.block_size))
+        self.turns = SessionTurns(self.sessions, self.blocks, self.preparer, self.tokenizer,
+                                  self.spec.generation.eos_token_ids)
         self.runner = LoopRunner(self.pool, self.prompts, self.batch, self.max_context)
         self.load_s = time.perf_counter() - t0
         self.served = ServedModel(
@@ -242,112 +216,31 @@ class Engine:
         """A reload that kept this engine (same model and engine keys): the bounds that
         live outside ``engine``."""
         self.config = config
+        self.preparer.config = config
         self.queue_max = config.server.queue_max
 
-    # -- requests -------------------------------------------------------------------
+    # -- requests (the prepare stage: ``preparer``) ---------------------------------
 
     def cache_owner(self, uid: int) -> int | None:
-        """Whose cached KV prefixes and image embeddings a request of ``uid`` may reuse:
-        its own only, unless engine.share_caches (None: everyone's)."""
-        return None if self.config.engine.share_caches else uid
+        return self.preparer.cache_owner(uid)
 
     def check(self, request: GenerateRequest) -> CheckedRequest:
-        """``request`` against this engine's limits and the model's defaults."""
-        return check(request, self.config.engine, self.spec.generation)
+        return self.preparer.check(request)
 
     def sampling_params(self, request: GenerateRequest) -> SamplingParams:
-        return sampling(request, self.spec.generation)
+        return self.preparer.sampling_params(request)
 
     def image_budget(self, request: GenerateRequest) -> PixelBudget:
-        return PixelBudget.for_request(self.spec.vision, image_tokens(request,
-                                                                      self.config.engine))
+        return self.preparer.image_budget(request)
 
     def tokenize(self, request: GenerateRequest, uid: int = 0,
                  should_stop: Callable[[], bool] = never
                  ) -> tuple[list[int], list[PreparedImage], list[int]]:
-        """Template, tokenise, decode and patchify images; no inference yet.
-
-        Returns the ids, the images and the row where each image starts."""
-        return self.prompts.build(self.check(request), self.cache_owner(uid), should_stop)
+        return self.preparer.tokenize(request, uid, should_stop)
 
     def prepare(self, request: GenerateRequest, uid: int = 0,
                 should_stop: Callable[[], bool] = never) -> PreparedRequest:
-        """Everything before inference: validate, template, tokenise, decode images.
-
-        Raises the typed error for bad input, or ``PrepareStopped`` when ``should_stop``
-        fires between images. With a session, the ids are the continuation of its history
-        (joined in ``run``).
-        """
-        t0 = time.perf_counter()
-        checked = self.check(request)
-        if any(token >= self.spec.vocab_size for token, _ in request.logit_bias):
-            raise BadRequest(f"logit_bias names a token id beyond the vocabulary "
-                             f"({self.spec.vocab_size} ids)")
-        constraint = None
-        # A response format, or the grammar of a call a request's tool_choice demands:
-        # it compiles while the images decode.
-        fmt = request.response_format
-        if fmt is None and request.tools is not None:
-            fmt = request.tools.response_format()
-        if fmt is not None:
-            constraint = self.grammars.start(fmt, self.config.engine.grammar_compile_timeout_s,
-                                             uid)
-        session: Session | None = None
-        lost = False
-        if request.session is not None:  # looked up, never created before a turn commits
-            session, lost = self.sessions.lookup(uid, request.session)
-            self._check_turns(request, session, lost)
-        # The version first: a turn committing meanwhile is then caught by ``begin``.
-        version = session.version if session is not None else 0
-        history = session.ids if session is not None else []
-        ids, images, starts = self.prompts.build(checked, self.cache_owner(uid), should_stop,
-                                                 history)
-        self._check_context(len(history), len(ids))
-        history_images = list(session.images) if session is not None else []
-        owner = self.cache_owner(uid)
-        pinned = {image.digest: embedding for image in history_images if dropped(image)
-                  and (embedding := self.images.peek((owner, image.digest))) is not None}
-        if constraint is not None and constraint.failed():
-            constraint.wait()  # a grammar that failed already fails before the queue
-        tokens = checked.max_tokens
-        if request.max_tokens is None:  # to the end of the room it has (not refused)
-            tokens = max(1, min(tokens, self.rows_room - len(history) - len(ids)))
-        return PreparedRequest(request=request, uid=uid, params=checked.sampling,
-                               max_tokens=tokens, ids=ids,
-                               images=images, image_starts=starts,
-                               prepare_s=time.perf_counter() - t0,
-                               session=session, session_version=version,
-                               history_tokens=len(history), session_reset=lost,
-                               history_images=history_images, pinned=pinned,
-                               constraint=constraint)
-
-    @staticmethod
-    def _check_turns(request: GenerateRequest, session: Session | None, lost: bool) -> None:
-        """A client that said how many turns its session holds is refused, before anything
-        runs, when the daemon's holds another count (it resends the history it has)."""
-        expected = request.session_turns
-        held = session.turns if session is not None else 0
-        if expected is None or held == expected:
-            return
-        if session is None:
-            why = ("it ended (expired, evicted or closed)" if lost
-                   else "the daemon does not hold it (restarted, or never had it)")
-        else:
-            why = f"it holds {held}"
-        raise SessionLost(f"session {request.session!r} was expected to hold {expected} "
-                          f"turns; {why}")
-
-    @property
-    def rows_room(self) -> int:
-        """The most rows one generation can hold: the context, within the KV cache."""
-        return min(self.max_context, self.blocks.num_blocks * self.blocks.block_size)
-
-    def _check_context(self, history: int, new: int) -> None:
-        if history + new + 1 > self.max_context:
-            raise PromptTooLong(f"the prompt has {history + new} tokens; the context "
-                                f"holds {self.max_context} (set by {self.context_set_by}) "
-                                "including at least one generated token"
-                                + (" (start a new session)" if history else ""))
+        return self.preparer.prepare(request, uid, should_stop)
 
     # -- what the daemon reports -------------------------------------------------------
 
@@ -491,7 +384,7 @@ class Engine:
                 started.set()
             for gen, choice, on_token in rest:
                 if gen.cancelled.is_set():
-                    self._settle(gen, self._cancelled(choice, gen))
+                    self._settle(gen, results.cancelled(choice, gen))
                     continue
                 try:
                     self._enqueue(gen, choice, on_token)
@@ -522,7 +415,7 @@ class Engine:
                  on_token: TokenCallback | None) -> None:
         gen.arrival = Arrival(uid=prepared.uid, should_stop=gen.should_stop,
                               encode=lambda: self._start(gen, prepared, on_token),
-                              drop=lambda: self._settle(gen, self._cancelled(prepared, gen)))
+                              drop=lambda: self._settle(gen, results.cancelled(prepared, gen)))
         with self._lock:
             self._generations.add(gen)
         try:
@@ -607,36 +500,17 @@ class Engine:
                           max_tokens=prepared.max_tokens, done=done)
 
         try:
-            if request.session is not None:
-                turn = self.sessions.begin(prepared.uid, request.session, prepared.session,
-                                           prepared.session_version)
+            turn = self.turns.begin(prepared)
             try:
-                self.runner.start(job(self._turn_inputs(prepared, turn)))
+                self.runner.start(job(self.turns.inputs(prepared, turn)))
             except HistoryLost:  # its history could not be rebuilt: a fresh start
-                self.runner.start(job(self._fresh_inputs(prepared)))
+                self.runner.start(job(self.turns.fresh_inputs(prepared)))
         except BaseException as exc:
             self._fail(gen, turn, exc)
 
     def _fail(self, gen: Generation, turn: Turn | None, error: BaseException) -> None:
-        if turn is not None:
-            self.sessions.end(turn)
+        self.turns.end(turn)
         self._settle(gen, None, error)
-
-    def _turn_inputs(self, prepared: PreparedRequest, turn: Turn | None) -> TurnInputs:
-        """What the generation feeds: the prepared ids, after the session's history when
-        it continues one (``_fresh_inputs`` when that history cannot be rebuilt)."""
-        if turn is None:
-            return TurnInputs(prepared.ids, prepared.images, prepared.image_starts)
-        if turn.new and prepared.session is not None:  # prepared to continue a lost one
-            return self._fresh_inputs(prepared)
-        return continued(turn, prepared.ids, prepared.images, prepared.image_starts,
-                         prepared.history_images, prepared.pinned, prepared.session_reset)
-
-    def _fresh_inputs(self, prepared: PreparedRequest) -> TurnInputs:
-        """The request alone, its session started afresh (its history is lost)."""
-        ids, images, starts = self.tokenize(prepared.request, prepared.uid)
-        self._check_context(0, len(ids))
-        return TurnInputs(ids, images, starts, reset=prepared.request.session is not None)
 
     def _decoding(self, prepared: PreparedRequest, inputs: TurnInputs,
                   on_token: TokenCallback | None, gen: Generation) -> Decoding:
@@ -656,107 +530,18 @@ class Engine:
         (so the history is what the client saw); an answer that is calls of the request's
         tools split into its content and its calls."""
         try:
-            result = (self._cancelled(prepared, gen) if ran is None
-                      else self._result(prepared, gen, ran))
+            result = (results.cancelled(prepared, gen) if ran is None
+                      else results.finished(prepared, gen, ran))
             request = prepared.request
             if turn is not None and request.session is not None:
-                if result.finish_reason == "cancelled":  # the client left or timed out
-                    turns = 0 if turn.new else turn.session.turns
-                else:
-                    eos = () if request.ignore_eos else self.spec.generation.eos_token_ids
-                    ids = inputs.ids + kept_ids(self.tokenizer, result.token_ids,
-                                                result.text, result.finish_reason,
-                                                request.stop, eos)
-                    turns = self.sessions.commit(turn, ids, inputs.images, inputs.starts,
-                                                 reset=inputs.reset)
-                    self._pin_history(prepared.uid, request.session, ids, inputs.images,
-                                      inputs.starts)
-                result.session = SessionInfo(id=request.session, turns=turns,
-                                             reset=inputs.reset)
+                self.turns.commit(prepared, turn, inputs, result)
             if request.tools is not None:
-                self._split_calls(result, request.tools, held)
+                results.split_tool_calls(result, request.tools, held)
         except BaseException as exc:
             self._fail(gen, turn, exc)
             return
-        if turn is not None:
-            self.sessions.end(turn)
+        self.turns.end(turn)
         self._settle(gen, result)
-
-    @staticmethod
-    def _split_calls(result: GenerateResult, tools: ToolSet, held: HeldText | None) -> None:
-        """Calls of the tools: finish "tool_calls" and the text before them as the text
-        (a call cut off by the budget is no call: the text stays whole, finish "length";
-        one the response format closed as the budget ran out is, finish "length");
-        otherwise the text a stream held back goes out now."""
-        # A call the constraint closed early (the budget ran out) is still a call.
-        ended = result.finish_reason == "stop" or result.closed
-        split = split_calls(result.text, tools) if ended else None
-        if split is not None:
-            result.text, result.tool_calls = split
-            if not result.closed:  # closed early it says so: "length"
-                result.finish_reason = "tool_calls"
-        if held is not None:
-            held.release(result.text)
-
-    def _pin_history(self, uid: int, sid: str, ids: list[int], images: list[PreparedImage],
-                     starts: list[int]) -> None:
-        """The session's cached history blocks are pinned, so that its next turn finds
-        them whatever else ran meanwhile; the store unpins them when the session leaves
-        it (``_unpin_session``)."""
-        if not self.blocks.retain:
-            return
-        if self.sessions.has(uid, sid):  # not evicted again at once
-            self.blocks.pin((uid, sid), prompt_keys(ids, images, starts),
-                            self.cache_owner(uid))
-
-    def _unpin_session(self, uid: int, sid: str) -> None:
-        self.blocks.unpin((uid, sid))
-
-    def _result(self, prepared: PreparedRequest, gen: Generation, ran: Ran) -> GenerateResult:
-        prompt, outcome, t_vision, t_generate = ran
-        admit_wait = 0.0
-        if gen.seq is not None and gen.seq.admitted is not None:
-            admit_wait = max(0.0, gen.seq.admitted - gen.seq.submitted)
-        queue_s = gen.slot_wait_s + admit_wait
-        waited = prepared.prepare_s + gen.slot_wait_s  # before the slot took it
-        constraint = prepared.constraint
-        return GenerateResult(
-            text=outcome.text,
-            token_ids=outcome.token_ids,
-            finish_reason=outcome.finish_reason,
-            usage=Usage(
-                prompt_tokens=len(prompt.ids),
-                completion_tokens=len(outcome.token_ids),
-                image_tokens=int(prompt.visual_mask.sum()),
-                cached_tokens=outcome.cached_tokens,
-                forced_tokens=outcome.forced_tokens,
-            ),
-            timings=Timings(
-                image_s=prepared.prepare_s + t_generate - t_vision,
-                queue_s=round(queue_s, 6),
-                prefill_s=outcome.prefill_s,
-                ttft_s=waited + (t_generate - gen.t_start) + outcome.ttft_s,
-                decode_s=outcome.decode_s,
-                total_s=waited + time.perf_counter() - gen.t_start,
-            ),
-            token_gaps=outcome.token_gaps,
-            image_cache_hits=prompt.image_cache_hits,
-            image_cache_misses=prompt.image_cache_misses,
-            response_format=None if constraint is None else constraint.format.type,
-            grammar_compile_s=None if constraint is None else constraint.compile_s,
-            mask_s=[] if constraint is None else constraint.mask_s,
-            logprobs=outcome.logprobs,
-            closed=outcome.closed,
-        )
-
-    def _cancelled(self, prepared: PreparedRequest, gen: Generation) -> GenerateResult:
-        waited = time.monotonic() - gen.enqueued
-        return GenerateResult(
-            text="", token_ids=[], finish_reason="cancelled",
-            usage=Usage(prompt_tokens=len(prepared.ids),
-                        image_tokens=sum(i.tokens for i in prepared.images)),
-            timings=Timings(image_s=prepared.prepare_s,
-                            total_s=prepared.prepare_s + waited))
 
     def warmup(self) -> None:
         """One short generation about an image, so that every submodel has run the shapes
