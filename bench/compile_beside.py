@@ -39,7 +39,8 @@ sys.path.insert(0, str(HERE))
 
 from systems import _start_daemon  # noqa: E402
 
-from qvld.engine.decoding.constraints import GrammarCompiler, parse_response_format  # noqa: E402
+from qvld.engine.decoding.constraints import GrammarCompiler  # noqa: E402
+from qvld.engine.decoding.response_format import parse_response_format  # noqa: E402
 
 WORDS = ["harbour", "lantern", "granite", "meadow", "copper", "willow", "signal", "orchid",
          "valley", "ember", "quartz", "tundra"]

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from qvld.config import Config, EngineConfig, ModelConfig
     from qvld.engine import Engine, GenerateRequest
-    from qvld.engine.decoding.constraints import parse_response_format
+    from qvld.engine.decoding.response_format import parse_response_format
 
     ensure_tokenizer_ir(args.model)
     fmt = parse_response_format({"type": "json_schema", "schema": SCHEMA})

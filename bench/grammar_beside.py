@@ -29,7 +29,7 @@ AMBIGUOUS = 'start: "0" | e "0"\ne: e e | e e e | /[a-z]/\n'
 def measure(rounds: int) -> tuple[list[float], list[float]]:
     from qvld.config import Config, EngineConfig, ModelConfig
     from qvld.engine import Engine, GenerateRequest
-    from qvld.engine.decoding.constraints import parse_response_format
+    from qvld.engine.decoding.response_format import parse_response_format
 
     engine = Engine(Config(model=ModelConfig(path=TINY, precision="f32",
                                              kv_cache_precision="f32"),

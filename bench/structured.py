@@ -28,7 +28,8 @@ from typing import Any
 
 from qvld.config import Config, EngineConfig, ModelConfig
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.decoding.constraints import GrammarCompiler, parse_response_format
+from qvld.engine.decoding.constraints import GrammarCompiler
+from qvld.engine.decoding.response_format import parse_response_format
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests' validators

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.decoding.constraints import (
+from qvld.engine.decoding.constraints import GrammarCompiler
+from qvld.engine.decoding.response_format import (
     MAX_SCHEMA_DEPTH,
     MAX_SOURCE_BYTES,
-    GrammarCompiler,
     ResponseFormat,
     parse_response_format,
 )
@@ -503,7 +503,7 @@ def test_a_failure_inside_qvld_while_compiling_is_internal_and_not_cached(
         compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in our own code is a 500 (logged), never the user's 400, and the format is
     compiled again next time instead of failing from the cache."""
-    from qvld.engine.decoding.constraints import Finisher
+    from qvld.engine.decoding.finisher import Finisher
     from qvld.errors import InternalError
 
     fmt = parse_response_format({"type": "json_object"})
@@ -586,7 +586,7 @@ def test_a_compile_whose_every_step_is_costly_ends_in_bounded_time(
     """#46: the search for a grammar's shortest answer ran ~199 s on a compile thread
     for ``start: a "z"`` / ``a: a a | "x" | "qN"``, refusing other users' schemas and
     holding a shutdown. It is bounded in time now (the answer is just not known)."""
-    from qvld.engine.decoding.constraints import START_FINISH_SECONDS
+    from qvld.engine.decoding.finisher import START_FINISH_SECONDS
 
     costly = parse_response_format({"type": "grammar",
                                     "grammar": 'start: a "z"\na: a a | "x" | "qN"\n'})

@@ -20,12 +20,9 @@ import numpy as np
 import pytest
 
 from qvld.engine import Engine, GenerateRequest
-from qvld.engine.decoding.constraints import (
-    Constraint,
-    Finisher,
-    GrammarCompiler,
-    parse_response_format,
-)
+from qvld.engine.decoding.constraints import Constraint, GrammarCompiler
+from qvld.engine.decoding.finisher import Finisher
+from qvld.engine.decoding.response_format import parse_response_format
 from qvld.engine.inputs.tools import parse_tools
 from qvld.errors import BadRequest
 from tests.conftest import TINY, parity_config, wait_for

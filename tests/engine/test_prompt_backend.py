@@ -317,7 +317,8 @@ def test_a_prompt_prefilled_elsewhere_waits_for_its_compile_without_holding_a_sl
     import json
     import threading
 
-    from qvld.engine.decoding.constraints import GrammarCompiler, parse_response_format
+    from qvld.engine.decoding.constraints import GrammarCompiler
+    from qvld.engine.decoding.response_format import parse_response_format
     from tests.conftest import wait_for
 
     slow = threading.Event()

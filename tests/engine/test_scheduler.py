@@ -184,7 +184,7 @@ def test_eight_long_budgets_run_at_once_in_a_cache_sized_for_two() -> None:
     """KV blocks are taken as answers grow: eight requests of max_tokens 4000 whose
     answers a response format keeps to a few tokens all run at once, in a cache that
     holds two of them at full length (reserving the worst case admitted two at a time)."""
-    from qvld.engine.decoding.constraints import parse_response_format
+    from qvld.engine.decoding.response_format import parse_response_format
 
     probe = Engine(parity_config(TINY, max_sequences=8, kv_cache_mb=1, max_new_tokens=4000))
     per_mb = (1 << 20) // (probe.models.kv_bytes_per_token * probe.models.kv_block_size)

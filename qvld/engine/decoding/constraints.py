@@ -5,7 +5,7 @@ the GIL while it compiles or computes a mask, bounds its own work (lexer fuel, g
 size: a hostile schema ends in an error, not a hang), and covers JSON Schema, regexes
 and Lark/GBNF grammars with one API. Its wheel is abi3 (one wheel for Python 3.10-3.13).
 
-- ``parse_response_format`` types the wire's value (no llguidance needed);
+- ``response_format.parse_response_format`` types the wire's value (no llguidance needed);
 - ``GrammarCompiler`` compiles on its own threads, once per content (an LRU of compiled
   matchers; a request gets a copy), so compiling runs beside image decoding, encoding
   and prefill, and a cached grammar costs nothing and waits behind nobody. Compiles
@@ -18,7 +18,7 @@ and Lark/GBNF grammars with one API. Its wheel is abi3 (one wheel for Python 3.1
   says whether the grammar is complete (the answer ends there: nothing else may follow),
   ``forced`` names the tokens the grammar leaves no choice about (fast-forward) and
   ``finish`` a short way to end the answer from where it is (``Finisher``), so that an
-  answer the budget cuts still parses.
+  answer the budget cuts still parses (``finisher``).
 
 JSON is compact (no free whitespace between tokens): a weak or random-weight model
 otherwise fills the budget with spaces and the answer never closes.
@@ -26,8 +26,6 @@ otherwise fills the budget with spaces and the answer never closes.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -37,120 +35,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
+from qvld.engine.decoding.finisher import (
+    FINISH_WORK_PER_REQUEST,
+    START_FINISH_LIMIT,
+    START_FINISH_SECONDS,
+    START_FINISH_WORK,
+    Finisher,
+    SearchWork,
+    allowed_tokens,
+)
+from qvld.engine.decoding.response_format import ResponseFormat
 from qvld.errors import BadRequest, InternalError
 from qvld.fairqueue import FairQueue
 
 log = logging.getLogger("qvld.engine")
-
-FormatType = Literal["json_schema", "json_object", "regex", "grammar"]
-FORMAT_TYPES: tuple[FormatType, ...] = ("json_schema", "json_object", "regex", "grammar")
-# Sources past these are refused before anything compiles them.
-MAX_SOURCE_BYTES = 128 * 1024
-MAX_SCHEMA_DEPTH = 64  # JSON nesting; llguidance's own parser stops at 128
-FORMAT_KEYS: dict[str, frozenset[str]] = {
-    "json_schema": frozenset({"type", "schema"}), "json_object": frozenset({"type"}),
-    "regex": frozenset({"type", "pattern"}), "grammar": frozenset({"type", "grammar"}),
-    "text": frozenset({"type"}),
-}
-
-
-@dataclass(frozen=True)
-class ResponseFormat:
-    """What the answer must match: the kind, and its source as llguidance takes it (a
-    JSON Schema as JSON text, in the client's key order: properties come out in it)."""
-
-    type: FormatType
-    source: str
-
-    @property
-    def key(self) -> str:
-        """The cache key: the same content compiles once."""
-        return hashlib.sha256(f"{self.type}\0{self.source}".encode()).hexdigest()
-
-
-def _depth(value: Any) -> int:
-    """How deep JSON containers nest (iterative: a hostile value cannot overflow)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if depth > MAX_SCHEMA_DEPTH:
-            break
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
-def schema_text(schema: Any, what: str = "response_format.schema") -> str:
-    """A schema (a map, or JSON text: deeper than a protocol frame may nest) -> JSON;
-    errors name it as ``what``."""
-    if isinstance(schema, str):
-        if len(schema.encode()) > MAX_SOURCE_BYTES:
-            raise BadRequest(f"{what} is over {MAX_SOURCE_BYTES} bytes")
-        try:
-            schema = json.loads(schema)
-        except (ValueError, RecursionError) as exc:
-            raise BadRequest(f"{what} is not valid JSON: {exc}") from None
-    if not isinstance(schema, (dict, bool)):
-        raise BadRequest(f"{what} must be a JSON Schema (an object)")
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
-        raise BadRequest(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    try:
-        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    except (ValueError, TypeError) as exc:  # NaN, bytes or other non-JSON values
-        raise BadRequest(f"{what} is not JSON: {exc}") from None
-    if len(text.encode()) > MAX_SOURCE_BYTES:
-        raise BadRequest(f"{what} is over {MAX_SOURCE_BYTES} bytes")
-    return text
-
-
-def _text_field(value: dict[str, Any], key: str) -> str:
-    text = value.get(key)
-    if not isinstance(text, str) or not text:
-        raise BadRequest(f"response_format.{key} must be a non-empty string")
-    if len(text.encode()) > MAX_SOURCE_BYTES:
-        raise BadRequest(f"response_format.{key} is over {MAX_SOURCE_BYTES} bytes")
-    if "\0" in text:
-        raise BadRequest(f"response_format.{key} must not contain a NUL character")
-    return text
-
-
-def parse_response_format(value: Any) -> ResponseFormat | None:
-    """protocol v1's ``response_format`` -> what to compile; None for free text."""
-    if value is None:
-        return None
-    kind = value.get("type") if isinstance(value, dict) else None
-    if not isinstance(kind, str) or kind not in FORMAT_KEYS:
-        raise BadRequest("response_format must be {type: json_schema, schema}, "
-                         "{type: json_object}, {type: regex, pattern} or "
-                         "{type: grammar, grammar}")
-    assert isinstance(value, dict)
-    extra = sorted(map(str, set(value) - FORMAT_KEYS[kind]))
-    if extra:
-        raise BadRequest(f"response_format of type {kind} takes no {extra[0]!r} "
-                         f"(it has {', '.join(sorted(FORMAT_KEYS[kind]))})")
-    if kind == "text":
-        return None
-    if kind == "json_schema":
-        if "schema" not in value:
-            raise BadRequest("response_format of type json_schema needs a schema")
-        return ResponseFormat("json_schema", schema_text(value["schema"]))
-    if kind == "json_object":
-        return ResponseFormat("json_object", '{"type":"object"}')
-    if kind == "regex":
-        return ResponseFormat("regex", _text_field(value, "pattern"))
-    return ResponseFormat("grammar", _text_field(value, "grammar"))
-
 
 # -- compiling ---------------------------------------------------------------------------
 
@@ -166,24 +68,6 @@ def _grammar(fmt: ResponseFormat) -> str:
     return grammar_from("grammar", fmt.source)  # Lark, or GBNF converted to Lark
 
 
-# Bytes a finisher tries, in this order: what closes a string, an object, an array; what
-# separates; the shortest values (0, true, false, null, [], {}); then the rest of
-# printable ASCII.
-_FINISH_ORDER = (b'"}],' + b"0987654321" + b"tfn[{-.:" + bytes(range(ord("a"), ord("z") + 1))
-                 + bytes(range(ord("A"), ord("Z") + 1)) + b" _")
-_FINISH_ORDER += bytes(b for b in range(32, 127) if b not in _FINISH_ORDER)
-_QUICK_TRIES = 4  # tried one by one before the grammar's whole mask is computed
-# Finishing searches are bounded in matcher operations, never in seconds: the same
-# request gets the same answer however loaded the machine (a wall-clock bound made an
-# answer's end depend on the load: CI saw it). A step of a search costs one unit, a
-# whole mask _MASK_UNITS more (the costly operation with a real vocabulary).
-_MASK_UNITS = 16
-# What a request's searches may cost in all (a grammar whose greedy path loops could
-# otherwise cost every step of the shared loop a search of the whole budget); past it
-# the request gives up closing early (its answer may then be cut like free text). An
-# ending still valid after the step is reused without a search (in a string, say), so
-# most steps cost no search at all.
-FINISH_WORK_PER_REQUEST = 65_536
 # What following a grammar may cost one answer on the step thread, in CPU seconds of
 # matcher work on that thread (masks, tokens fed, fast-forward, finishing searches; CPU
 # time, so a loaded machine does not count against it): half a second, plus 10 ms a
@@ -193,135 +77,6 @@ FINISH_WORK_PER_REQUEST = 65_536
 # ends with a 400, and the format is refused from then on.
 GRAMMAR_SECONDS = 0.5
 GRAMMAR_SECONDS_PER_TOKEN = 0.010
-# The compile thread's search for the shortest answer: also bounded in time, so that a
-# grammar whose every step is costly cannot hold a compile thread (and a shutdown).
-START_FINISH_SECONDS = 2.0
-# A search from the grammar's start: the shortest answer it allows (compile thread).
-START_FINISH_LIMIT = 2048
-START_FINISH_WORK = 65_536
-
-
-class SearchWork:
-    """What finishing searches may still cost (units: see ``_MASK_UNITS``), and until
-    when (``deadline``, ``time.monotonic()``; none for the step thread's searches)."""
-
-    def __init__(self, units: int, deadline: float = float("inf")) -> None:
-        self.left = units
-        self.deadline = deadline
-
-    def spend(self, units: int) -> bool:
-        """Take ``units``; False when there were not that many left, or time is up."""
-        self.left -= units
-        if self.deadline != float("inf") and time.monotonic() > self.deadline:
-            self.left = -1
-        return self.left >= 0
-
-
-def _allowed(bits: np.ndarray, vocab_size: int) -> np.ndarray:
-    """llguidance's bitmask (one bit per token, little-endian words) as booleans."""
-    return np.unpackbits(bits.view(np.uint8), count=vocab_size, bitorder="little").view(bool)
-
-
-class Finisher:
-    """Finds a short way to end a grammar from a matcher's state: the tokens of an answer
-    that ends as soon as the grammar lets it ("always closes").
-
-    Greedy, one step at a time on a copy of the matcher: the grammar's forced tokens
-    (fast-forward) when there are any, else a bracket that closes an array or object,
-    else the first byte of ``_FINISH_ORDER`` it allows (closing a string; a comma; the
-    shortest values: '""', ``0``, ``true``, ``[]``; a required key comes as forced
-    bytes), else a special token it allows (``</tool_call>``), else its first allowed
-    token. The result is tokenised canonically. Short, not always shortest: a string of
-    minLength 2 becomes '"}}"', an integer of minimum 5 becomes ``9``, an enum its first
-    value in that order ("fahrenheit" before "celsius"). None when no end is found within
-    ``limit`` tokens: the grammar's end is further, or the greedy path loops (a regex
-    ``x(a|b)*c`` never reaches its ``c`` when ``a`` comes first in the order)."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        single = {b: tokenizer.tokenize_bytes(bytes([b])) for b in _FINISH_ORDER}
-        self._order = [(b, int(ids[0])) for b, ids in single.items() if len(ids) == 1]
-        byte_token = dict(self._order)
-        self._brackets: list[int] = [byte_token[b] for b in b"]}" if b in byte_token]
-        self._letter = byte_token.get(ord("x"))  # in a JSON string, never outside one
-        self._by_token = np.array([t for _, t in self._order], dtype=np.int64)
-
-    def finish(self, matcher: Any, limit: int, work: SearchWork,
-               known: Sequence[int] | None = None) -> list[int] | None:
-        """The tokens that end ``matcher``'s grammar soon (it is not changed), or None
-        (none within ``limit`` tokens, or ``work`` ran out). ``known``: an ending found
-        before the last tokens; taken as it is when it still ends the grammar from here
-        within ``limit`` (no search)."""
-        if known is not None and len(known) <= limit:
-            check = matcher.deep_copy()
-            if check.consume_tokens(list(known)) and check.is_accepting():
-                return list(known)
-        trial = matcher.deep_copy()
-        raw: list[int] = []
-        # Searches run on the step thread and on compile threads at once: a mask buffer
-        # of their own each.
-        bits = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
-        while not trial.is_accepting():
-            # Tokens of single bytes: the canonical tokenisation can be much shorter.
-            if len(raw) >= 4 * limit + 16 or trial.is_error() or not work.spend(1):
-                return None
-            forced = trial.compute_ff_tokens()
-            if forced:
-                if not trial.consume_tokens(forced):
-                    return None
-                raw.extend(forced)
-                continue
-            token = self._next(trial, bits, work)
-            if token is None:
-                return None
-            raw.append(token)
-        return self._canonical(matcher, raw, limit)
-
-    def _next(self, trial: Any, bits: np.ndarray, work: SearchWork) -> int | None:
-        """Consume the finishing order's first allowed token on ``trial``; which."""
-        # A bracket that closes an array or an object first ("[]" rather than '[""]'),
-        # unless it would be a character of a string (then "x" is allowed after it).
-        for token in self._brackets:
-            if trial.try_consume_tokens([token]) == 1:
-                if self._letter is None or trial.validate_tokens([self._letter]) == 0:
-                    return token
-                trial.rollback(1)
-        for _, token in self._order[:_QUICK_TRIES]:
-            if trial.try_consume_tokens([token]) == 1:
-                return token
-        if not work.spend(_MASK_UNITS):
-            return None
-        trial.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-        allowed = _allowed(bits, self.vocab_size)
-        hits = np.flatnonzero(allowed[self._by_token])
-        if hits.size:
-            token = int(self._by_token[hits[0]])
-        else:
-            ids = np.flatnonzero(allowed)
-            if not ids.size:
-                return None
-            special = [int(t) for t in ids[:4096] if self.tokenizer.is_special_token(int(t))]
-            token = special[0] if special else int(ids[0])
-        return token if trial.consume_token(token) else None
-
-    def _canonical(self, matcher: Any, raw: list[int], limit: int) -> list[int] | None:
-        """``raw`` tokenised as the tokenizer would (its runs of text), if the grammar
-        takes that; else ``raw``; None if it is longer than ``limit``."""
-        out: list[int] = []
-        run: list[int] = []
-        for token in [*raw, -1]:
-            if token >= 0 and not self.tokenizer.is_special_token(token):
-                run.append(token)
-                continue
-            if run:
-                out.extend(self.tokenizer.tokenize_bytes(self.tokenizer.decode_bytes(run)))
-                run = []
-            if token >= 0:
-                out.append(token)
-        check = matcher.deep_copy()
-        tokens = out if check.consume_tokens(out) and check.is_accepting() else raw
-        return tokens if len(tokens) <= limit else None
 
 
 @dataclass
@@ -627,7 +382,7 @@ class Constraint:
         if self._matcher.is_error():
             self._gave_up()
         flat = logits.reshape(-1)  # a view: the sampler's logits are one row
-        allowed = _allowed(bits, flat.size)
+        allowed = allowed_tokens(bits, flat.size)
         np.putmask(flat, ~allowed, -np.inf)
         self.mask_s.append(time.perf_counter() - t0)
         self._spent(time.thread_time() - cpu0)

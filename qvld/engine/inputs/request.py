@@ -18,7 +18,7 @@ from typing import Any
 
 from qvld import protocol
 from qvld.config import EngineConfig, did_you_mean
-from qvld.engine.decoding.constraints import ResponseFormat, parse_response_format
+from qvld.engine.decoding.response_format import ResponseFormat, parse_response_format
 from qvld.engine.decoding.sampling import SamplingParams
 from qvld.engine.inputs.tools import MAX_TOOLS, ToolSet, parse_tools
 from qvld.engine.model.model_dir import GenerationDefaults

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from qvld.engine.decoding.constraints import MAX_SOURCE_BYTES, ResponseFormat, schema_text
+from qvld.engine.decoding.response_format import MAX_SOURCE_BYTES, ResponseFormat, schema_text
 from qvld.errors import BadRequest
 
 CALL_OPEN = "<tool_call>"
