@@ -26,7 +26,8 @@ from typing import Any, ClassVar
 from prometheus_client import CollectorRegistry
 
 from qvld import __version__, protocol, tuning
-from qvld.config import Config, iter_keys, load_config
+from qvld.config import Config, iter_keys
+from qvld.config_loading import load_config
 from qvld.engine import Engine
 from qvld.engine.runners import Generation
 from qvld.errors import ModelInvalid, Unavailable

@@ -11,13 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qvld import __version__, protocol
-from qvld.config import (
-    Config,
-    ConfigError,
-    default_config_path,
-    instance_source,
-    load_config,
-)
+from qvld.config import Config, ConfigError
+from qvld.config_loading import default_config_path, instance_source, load_config
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_CONFIG = 0, 1, 2, 78
 

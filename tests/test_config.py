@@ -10,15 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qvld.config import (
-    DEPRECATED_KEYS,
-    Config,
-    ConfigError,
-    instance_source,
-    iter_keys,
-    load_config,
-    with_systemd_cache_dir,
-)
+from qvld.config import DEPRECATED_KEYS, Config, ConfigError, iter_keys
+from qvld.config_loading import instance_source, load_config, with_systemd_cache_dir
 from tests.conftest import Daemon, free_port_pair
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from qvld.config import ConfigError, _field, iter_keys, load_config
+from qvld.config import ConfigError, iter_keys
+from qvld.config_loading import _field, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

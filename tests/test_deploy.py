@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from qvld.config import load_config
+from qvld.config_loading import load_config
 from qvld.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -101,7 +101,8 @@ def test_cors_answers_the_listed_origin_only(daemon: HttpDaemon) -> None:
 
 
 def test_a_wildcard_origin_is_refused_at_load(daemon: HttpDaemon) -> None:
-    from qvld.config import ConfigError, load_config
+    from qvld.config import ConfigError
+    from qvld.config_loading import load_config
 
     with pytest.raises(ConfigError, match="list the origins"):
         load_config(None, ['http.cors_allow_origins=["*"]'])

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qvld.config import Config, load_config
+from qvld.config import Config
+from qvld.config_loading import load_config
 from qvld.preflight import run_checks, textfile
 from qvld.system import System, choose_node
 from qvld.tuning import plan_cpus, raise_nofile, set_governor

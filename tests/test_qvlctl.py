@@ -751,7 +751,7 @@ def test_config_prints_yaml_that_qvld_reads_back(fake: Callable[[Responder], Pat
                                                  tmp_path: Path) -> None:
     import yaml
 
-    from qvld.config import load_config
+    from qvld.config_loading import load_config
 
     effective = {"engine": {"max_new_tokens": 300, "grammar_compile_timeout_s": 2.5},
                  "server": {"allow_uids": [1000, 1001], "socket": "/run/qvld/x.sock"},
