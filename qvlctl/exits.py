@@ -24,3 +24,7 @@ EXIT_BY_CODE = {
 def for_error_code(code: str) -> int:
     """The exit code for a daemon error code; unknown codes are internal errors."""
     return EXIT_BY_CODE.get(code, EXIT_INTERNAL)
+
+
+class UsageError(Exception):
+    """What the command line asked for cannot be done as written (exit 2)."""
