@@ -6,6 +6,7 @@ script error. A screenshot is kept in build/artifacts/ for CI."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -85,6 +86,14 @@ class Page:
             self.page.press("#question", "Enter")
         else:
             self.page.get_by_role("button", name="Send").click()
+
+    def ready_with_max_tokens(self, tokens: int) -> None:
+        """Wait for the page to know the model, then set Max tokens in its settings."""
+        from playwright.sync_api import expect
+
+        expect(self.page.locator("#model")).to_contain_text("context")
+        self.page.get_by_text("Settings").click()
+        self.page.get_by_label("Max tokens").fill(str(tokens))
 
     def chat_bodies(self) -> list[dict[str, Any]]:
         """The bodies the page posts to /v1/chat/completions from now on, in order."""
@@ -254,9 +263,7 @@ def test_conversations_are_kept_continued_and_branched(browser: Any,
     page = tab.page
     bodies = tab.chat_bodies()
     try:
-        expect(page.locator("#model")).to_contain_text("context")
-        page.get_by_text("Settings").click()
-        page.get_by_label("Max tokens").fill("20")
+        tab.ready_with_max_tokens(20)
         tab.ask("What is the total on this receipt?", RECEIPT)
         assert "answer 20 tokens" in tab.wait_answer()  # max tokens 20: 20 tokens
         first_answer = page.locator("#answer-text").inner_text()
@@ -303,7 +310,9 @@ def test_conversations_are_kept_continued_and_branched(browser: Any,
         expect(page.locator("#conversation-list .open")).to_have_count(2)
         expect(page.locator("#conversation-list [aria-current=true]")).to_have_text(
             "Name three colours.")
-        page.fill("#search", "receipt")
+        # A phrase, not a word: the random model's answers are words of the test prompts
+        # ("receipt" among them), and the search reads answers too.
+        page.fill("#search", "the total on this receipt")
         expect(page.locator("#conversation-list .open")).to_have_text(
             ["What is the total on this receipt?"])
         page.fill("#search", "")
@@ -414,6 +423,118 @@ def test_a_clip_is_uploaded_and_answered(browser: Any, daemon: HttpDaemon,
         notes.write_text("notes")
         page.set_input_files("#image", str(notes))
         expect(alert).to_contain_text("neither a picture nor a clip")
+        assert tab.foreign_requests() == [] and tab.errors == []
+    finally:
+        tab.page.evaluate("localStorage.clear()")
+        tab.close()
+
+
+
+def make_clip(path: Path, codec: str, container: str | None = None) -> Path:
+    """A 2 s clip of 350x200 at 25 fps (a moving gradient), as people film them."""
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w", format=container) as out:
+        stream = out.add_stream(codec, rate=25)
+        stream.width, stream.height, stream.pix_fmt = 350, 200, "yuv420p"
+        y, x = np.mgrid[0:200, 0:350]
+        for i in range(50):
+            frame = np.stack([(x + 5 * i) % 256, y % 256, np.full_like(x, 9 * i % 256)], -1)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame.astype(np.uint8),
+                                                                   format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def api_prompt_tokens(daemon: HttpDaemon, question: str, clip: Path | None) -> int:
+    """The prompt's tokens for ``question`` (and ``clip``) asked through the API."""
+    content: list[dict[str, Any]] = [{"type": "text", "text": question}]
+    if clip is not None:
+        url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
+        content.insert(0, {"type": "video_url", "video_url": {"url": url}})
+    status, _, body = daemon.request("POST", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode())
+    assert status == 200, body
+    return int(body["usage"]["prompt_tokens"])
+
+
+@pytest.mark.slow  # four clips through the page: a minute and more
+def test_a_clip_in_each_container_is_sent_with_its_question(browser: Any, daemon: HttpDaemon,
+                                                            tmp_path: Path) -> None:
+    """#61: a clip chosen in the page was answered without it (its prompt the question's
+    alone). H.264 in MP4, VP9 in WebM, H.264 in MKV through the file input, MPEG-4 Part 2
+    (which Chromium cannot play) dropped onto the page: each is sent, its tokens in the
+    prompt, its turn showing its name and size (and the clip itself where this browser
+    plays it); Regenerate of a clip's turn sends the clip again."""
+    from playwright.sync_api import expect
+
+    clips = [(make_clip(tmp_path / "street.mp4", "libx264"), True),
+             (make_clip(tmp_path / "garden.webm", "libvpx-vp9"), True),
+             (make_clip(tmp_path / "beach.mkv", "libx264", "matroska"), True),
+             (make_clip(tmp_path / "old-camera.mp4", "mpeg4"), False)]
+    question = "What happens in this clip?"
+    alone = api_prompt_tokens(daemon, question, None)
+    tab = Page(browser, daemon)
+    page = tab.page
+    bodies = tab.chat_bodies()
+    try:
+        tab.ready_with_max_tokens(3)
+        for clip, playable in clips:
+            page.get_by_role("button", name="New chat").click()
+            if playable:
+                page.set_input_files("#image", str(clip))
+            else:  # dropped onto the page, as a file from the desktop
+                transfer = page.evaluate_handle(
+                    """([data, name]) => {
+                      const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+                      const transfer = new DataTransfer();
+                      transfer.items.add(new File([bytes], name, {type: "video/mp4"}));
+                      return transfer;
+                    }""", [base64.b64encode(clip.read_bytes()).decode(), clip.name])
+                page.dispatch_event("#drop", "drop", {"dataTransfer": transfer})
+            expect(page.locator("#preview-file")).to_contain_text(clip.name)
+            page.fill("#question", question)
+            page.get_by_role("button", name="Send").click()
+            prompt = prompt_tokens(tab.wait_answer())
+            clip_tokens = api_prompt_tokens(daemon, question, clip) - alone
+            assert clip_tokens > 50 and prompt == alone + clip_tokens, (clip.name, prompt)
+            sent = bodies[-1]["messages"][-1]["content"]
+            assert [part["type"] for part in sent] == ["video_url", "text"], clip.name
+            turn = page.locator(".turn.latest")
+            expect(turn.locator(".file-chip")).to_contain_text(f"{clip.name} · ")
+            shown = turn.get_by_label("The clip asked about")
+            if playable:
+                expect(shown).to_be_visible()
+            else:  # this browser cannot decode it: the chip stands for it
+                expect(shown).to_be_hidden()
+        # Regenerate of the last clip's turn sends the clip again.
+        page.get_by_role("button", name="Regenerate this answer").click()
+        assert prompt_tokens(tab.wait_answer()) == prompt
+        assert [part["type"] for part in bodies[-1]["messages"][-1]["content"]] == \
+            ["video_url", "text"]
+        # A clip the daemon cannot decode: its reason in words, the question and the
+        # clip back in the box to try again.
+        broken = tmp_path / "broken.mp4"
+        broken.write_bytes(b"\x00\x00\x00\x18ftypisom" + b"not a video" * 100)
+        status, _, refusal = daemon.request("POST", "/v1/chat/completions", json.dumps({
+            "messages": [{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," +
+                                                    base64.b64encode(broken.read_bytes())
+                                                    .decode()}},
+                {"type": "text", "text": question}]}]}).encode())
+        assert status == 400 and refusal["error"]["code"] == "video_invalid", refusal
+        page.get_by_role("button", name="New chat").click()
+        page.set_input_files("#image", str(broken))
+        page.fill("#question", question)
+        page.get_by_role("button", name="Send").click()
+        expect(page.get_by_role("alert")).to_contain_text(refusal["error"]["message"])
+        expect(page.locator("#question")).to_have_value(question)
+        expect(page.locator("#preview-file")).to_contain_text("broken.mp4")
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "web-ui-clip.png"), full_page=True)
         assert tab.foreign_requests() == [] and tab.errors == []
     finally:
         tab.page.evaluate("localStorage.clear()")

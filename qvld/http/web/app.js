@@ -95,6 +95,22 @@ function megabytes(bytes) {
   return `${(bytes / 1e6).toFixed(1)} MB`;
 }
 
+function sizeText(bytes) {
+  return bytes < 1e6 ? `${Math.max(1, Math.round(bytes / 1e3))} KB` : megabytes(bytes);
+}
+
+// A clip as a <video> once this browser has decoded its first frame (one without the
+// codec never shows it), beside a chip with its name and size that is always there: the
+// clip is sent either way, the server decodes it.
+function clipView(video, chip, attachment) {
+  chip.textContent = `Clip: ${attachment.name} · ${sizeText(attachment.blob.size)}`;
+  chip.title = `The clip asked about: ${attachment.name}`;
+  chip.hidden = false;
+  video.hidden = true;
+  video.onloadeddata = () => { video.hidden = false; };
+  video.src = blobUrl(attachment.blob);
+}
+
 // -- settings kept in this browser (localStorage): what each answer is asked with --------
 
 const SETTINGS_KEY = "qvld-settings";
@@ -295,16 +311,14 @@ function showAttachment() {
   const item = state.attachment;
   const picture = $("preview");
   const clip = $("preview-video");
+  const chip = $("preview-file");
   picture.hidden = !item || item.kind !== "image";
-  clip.hidden = !item || item.kind !== "video";
-  if (item) {
-    const url = blobUrl(item.blob);
-    if (item.kind === "image") picture.src = url;
-    else clip.src = url;
-  } else {
-    picture.removeAttribute("src");
-    clip.removeAttribute("src");
-  }
+  clip.hidden = chip.hidden = true;
+  clip.onloadeddata = null;
+  picture.removeAttribute("src");
+  clip.removeAttribute("src");
+  if (item && item.kind === "image") picture.src = blobUrl(item.blob);
+  else if (item) clipView(clip, chip, item);
   $("remove-image").hidden = !item;
 }
 
@@ -607,17 +621,17 @@ function turnView(conversation, turn, last) {
   article.dataset.turn = turn.id;
   article.append(who("You"), el("p", "question", turn.question));
   if (turn.attachment) {
-    const url = blobUrl(turn.attachment.blob);
     if (turn.attachment.kind === "video") {
       const clip = el("video", "attachment");
       clip.controls = true;
       clip.muted = true;
-      clip.src = url;
       clip.setAttribute("aria-label", "The clip asked about");
-      article.append(clip);
+      const chip = el("span", "file-chip");
+      clipView(clip, chip, turn.attachment);
+      article.append(clip, el("p", "", chip));
     } else {
       const picture = el("img", "attachment");
-      picture.src = url;
+      picture.src = blobUrl(turn.attachment.blob);
       picture.alt = "The picture asked about";
       article.append(picture);
     }
@@ -797,69 +811,71 @@ async function ask(question, attachment, parent) {
   };
   const started = performance.now();
   let firstPiece = null; // when the first words arrived, as this page saw it
-  try {
-    let asked = await requestFor(conversation, turn, false);
-    let response = await post(asked, controller);
-    if (response.status === 409) {
-      const lost = await apiError(response);
-      if (lost.code !== "session_lost") throw lost;
-      // The daemon restarted or let the session go: the history this page holds, again.
-      showNotice("The server no longer held this conversation (it restarted, or the " +
-                 "session ended); the page sent the history it keeps again.");
-      asked = await requestFor(conversation, turn, true);
-      response = await post(asked, controller);
+  try { // Send comes back only once the turn is kept: a reload then finds it
+    try {
+      let asked = await requestFor(conversation, turn, false);
+      let response = await post(asked, controller);
+      if (response.status === 409) {
+        const lost = await apiError(response);
+        if (lost.code !== "session_lost") throw lost;
+        // The daemon restarted or let the session go: the history this page holds, again.
+        showNotice("The server no longer held this conversation (it restarted, or the " +
+                   "session ended); the page sent the history it keeps again.");
+        asked = await requestFor(conversation, turn, true);
+        response = await post(asked, controller);
+      }
+      if (!response.ok) throw await apiError(response);
+      await readEvents(response, (event) => {
+        if (event.error) throw new ApiError(event.error.message, 0);
+        const choice = (event.choices || [])[0];
+        if (choice && choice.delta && choice.delta.content) {
+          if (firstPiece === null) firstPiece = performance.now();
+          turn.answer += choice.delta.content;
+          show();
+        }
+        if (choice && choice.finish_reason) turn.finish = choice.finish_reason;
+        if (event.usage) {
+          turn.timings = timingsLine(event.usage, event.timings);
+          if (generation === state.generation) $("timings").textContent = turn.timings;
+        }
+        if (event.session) {
+          conversation.session = {id: event.session.id, turns: event.session.turns, leaf: turn.id};
+        }
+      });
+      turn.finish = turn.finish || "stop";
+    } catch (err) {
+      if (err.name === "AbortError") {
+        turn.finish = "stopped";
+        // The daemon's own timings never came: what this page measured instead.
+        const parts = [];
+        if (firstPiece !== null) parts.push(`first token ${((firstPiece - started) / 1000).toFixed(2)} s`);
+        parts.push(`stopped after ${((performance.now() - started) / 1000).toFixed(2)} s`);
+        turn.timings = parts.join(" · ");
+      } else {
+        turn.finish = "error";
+        if (err.status === 401) askForKey();
+        if (generation === state.generation) {
+          showError(err instanceof ApiError ? err.message : `The connection failed: ${err.message}`);
+        }
+      }
     }
-    if (!response.ok) throw await apiError(response);
-    await readEvents(response, (event) => {
-      if (event.error) throw new ApiError(event.error.message, 0);
-      const choice = (event.choices || [])[0];
-      if (choice && choice.delta && choice.delta.content) {
-        if (firstPiece === null) firstPiece = performance.now();
-        turn.answer += choice.delta.content;
-        show();
-      }
-      if (choice && choice.finish_reason) turn.finish = choice.finish_reason;
-      if (event.usage) {
-        turn.timings = timingsLine(event.usage, event.timings);
-        if (generation === state.generation) $("timings").textContent = turn.timings;
-      }
-      if (event.session) {
-        conversation.session = {id: event.session.id, turns: event.session.turns, leaf: turn.id};
-      }
-    });
-    turn.finish = turn.finish || "stop";
-  } catch (err) {
-    if (err.name === "AbortError") {
-      turn.finish = "stopped";
-      // The daemon's own timings never came: what this page measured instead.
-      const parts = [];
-      if (firstPiece !== null) parts.push(`first token ${((firstPiece - started) / 1000).toFixed(2)} s`);
-      parts.push(`stopped after ${((performance.now() - started) / 1000).toFixed(2)} s`);
-      turn.timings = parts.join(" · ");
-    } else {
-      turn.finish = "error";
-      if (err.status === 401) askForKey();
+    if (turn.finish === "error" && !turn.answer) {
+      // Nothing came: the question goes back to the box, and no empty turn is kept.
+      delete conversation.turns[turn.id];
+      conversation.leaf = parent;
       if (generation === state.generation) {
-        showError(err instanceof ApiError ? err.message : `The connection failed: ${err.message}`);
+        $("question").value = question;
+        if (attachment) {
+          state.attachment = attachment;
+          showAttachment();
+        }
       }
     }
+    if (Object.keys(conversation.turns).length) await save(conversation);
   } finally {
     state.controller = null;
     busy(false);
   }
-  if (turn.finish === "error" && !turn.answer) {
-    // Nothing came: the question goes back to the box, and no empty turn is kept.
-    delete conversation.turns[turn.id];
-    conversation.leaf = parent;
-    if (generation === state.generation) {
-      $("question").value = question;
-      if (attachment) {
-        state.attachment = attachment;
-        showAttachment();
-      }
-    }
-  }
-  if (Object.keys(conversation.turns).length) await save(conversation);
   if (generation === state.generation) {
     render();
     $("question").focus();
