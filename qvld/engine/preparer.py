@@ -54,10 +54,6 @@ class PreparedRequest:
     # The response format's matcher, its compile started when the request arrived.
     constraint: Constraint | None = None
 
-    @property
-    def max_total_tokens(self) -> int:
-        return self.history_tokens + len(self.ids) + self.max_tokens
-
 
 class Preparer:
     """Prepares requests for one engine: its config, model, prompt builder, sessions,

@@ -12,7 +12,7 @@ from aiohttp import web
 from qvld import __version__
 from qvld.http import ollama
 from qvld.http.dialect import bad
-from qvld.http.routing import Front, Route, session_header
+from qvld.http.routing import Front, Handler, Route, session_header
 
 
 class OllamaRoutes:
@@ -20,7 +20,7 @@ class OllamaRoutes:
         self.front = front
 
     def routes(self) -> list[Route]:
-        def route(method: str, path: str, handler: Any, op: str) -> Route:
+        def route(method: str, path: str, handler: Handler, op: str) -> Route:
             return Route(method, path, handler, op, "ollama", ollama.error_body)
 
         return [route("POST", "/api/chat", self.chat, "generate"),
