@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         prepare_video(clip, engine.spec.vision, engine.spec.video,
                       engine.config.model.video_max_tokens,
-                      engine.config.engine.max_decode_pixels, lambda: False)
+                      engine.config.engine.max_decode_pixels, lambda: False,
+                      max_clip_pixels=engine.config.engine.max_clip_decode_pixels)
         return time.perf_counter() - t0
 
     def ask_qvld(clip: bytes, engine: Engine = engine) -> dict[str, Any]:

@@ -110,6 +110,10 @@ class EngineConfig(_Section):
     max_images: int = Field(8, ge=0)
     # Decompression-bomb guard: images whose header declares more pixels are refused.
     max_decode_pixels: int = Field(64_000_000, ge=1)
+    # What decoding one clip may cost: its frames up to the last one sampled (a decoder
+    # cannot skip to a frame) times their pixels, checked from the header before a
+    # frame is decoded. 8e9 is two minutes of 1080p at 30 fps (seconds of CPU).
+    max_clip_decode_pixels: int = Field(8_000_000_000, ge=1)
     max_context_tokens: int = Field(8192, ge=16)
     # An operator's cap on any request's max_tokens (0: none but the context's end), and
     # max_tokens for a request that names none (0: until the model stops or the context

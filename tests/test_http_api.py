@@ -24,11 +24,16 @@ ORIGIN = "http://localhost:3000"
 HI = [{"role": "user", "content": "Hi"}]
 
 
+CLIP_PIXELS = 1_000_000
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
     d = HttpDaemon(tmp_path_factory.mktemp("http-api"), args=[
         "--set", f'http.cors_allow_origins=["{ORIGIN}"]', "--set", "engine.max_new_tokens=16",
-        "--set", "engine.default_max_tokens=8"]).start()
+        "--set", "engine.default_max_tokens=8",
+        # The bundled clip (20 frames of 96x64) within; 200 such frames past it.
+        "--set", f"engine.max_clip_decode_pixels={CLIP_PIXELS}"]).start()
     try:
         yield d
     finally:
@@ -299,7 +304,8 @@ def test_the_web_page_is_served_with_a_strict_policy_and_cached(daemon: HttpDaem
     assert again == 304 and cached["ETag"] == headers["ETag"]
     total = len(body.encode())
     for name, kind in [("app.js", "text/javascript"), ("markdown.js", "text/javascript"),
-                       ("store.js", "text/javascript"), ("app.css", "text/css"),
+                       ("store.js", "text/javascript"), ("clip.js", "text/javascript"),
+                       ("app.css", "text/css"),
                        ("icon.svg", "image/svg+xml")]:
         status, headers, asset = daemon.request("GET", f"/ui/{name}")
         assert status == 200 and headers["Content-Type"].startswith(kind), name
@@ -349,6 +355,39 @@ def test_a_clip_through_qvlctl_and_http_video_url(daemon: HttpDaemon, tmp_path: 
     assert bad.value.code == "video_invalid"
     again = daemon.qvlctl("ask", "Still there?", "--max-tokens", "2")
     assert again.returncode == 0
+
+
+def test_a_clip_past_what_decoding_may_cost_is_refused_and_the_bound_stated(
+        daemon: HttpDaemon) -> None:
+    """``engine.max_clip_decode_pixels`` (it was a constant): a clip whose frames up to
+    the last sampled one would take more pixels to decode is refused from its header,
+    naming the key; ``/v1/models`` states the clip bounds (the web page checks them)."""
+    from qvld.config import EngineConfig
+    from tests.engine.test_video import make_clip
+
+    listed = daemon.openai().models.list().data[0].model_extra or {}
+    assert listed["clip_limits"] == {"max_frame_pixels": EngineConfig().max_decode_pixels,
+                                     "max_decoded_pixels": CLIP_PIXELS,
+                                     "max_frames": 432_000}
+    long = make_clip(seconds=20, fps=10, width=96, height=64)  # 200 frames
+    with pytest.raises(openai.BadRequestError) as refused:
+        daemon.openai().chat.completions.create(  # type: ignore[call-overload]
+            model="tiny", messages=[{"role": "user", "content": [
+                {"type": "video_url", "video_url": {
+                    "url": "data:video/mp4;base64," + base64.b64encode(long).decode()}},
+                {"type": "text", "text": "?"}]}])
+    assert refused.value.code == "video_invalid"
+    assert refused.value.body["message"] == (  # type: ignore[index]
+        "the video would have 200 frames of 96x64 decoded (1,228,800 pixels); at most "
+        "1,000,000 are decoded for one clip (engine.max_clip_decode_pixels): send a "
+        "shorter or smaller one")
+    short = make_clip(seconds=2, fps=10, width=96, height=64)
+    answer = daemon.openai().chat.completions.create(  # type: ignore[call-overload]
+        model="tiny", max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": {
+                "url": "data:video/mp4;base64," + base64.b64encode(short).decode()}},
+            {"type": "text", "text": "?"}]}])
+    assert answer.usage.completion_tokens == 1
 
 
 def test_what_vllm_llama_server_and_ollama_accept_is_accepted(daemon: HttpDaemon) -> None:

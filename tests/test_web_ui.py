@@ -39,8 +39,9 @@ RECORD = """() => {
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
     # Long answers (the random model rarely ends one), so that Stop has one to stop.
     d = HttpDaemon(tmp_path_factory.mktemp("web"), args=[
-        "--set", "engine.default_max_tokens=1500", "--set", "engine.max_new_tokens=1500"]
-                   ).start()
+        "--set", "engine.default_max_tokens=1500", "--set", "engine.max_new_tokens=1500",
+        # A clip of 2 s at 350x200 (50 frames) within, one of 3 s past it.
+        "--set", f"engine.max_clip_decode_pixels={60 * 350 * 200}"]).start()
     try:
         yield d
     finally:
@@ -430,16 +431,17 @@ def test_a_clip_is_uploaded_and_answered(browser: Any, daemon: HttpDaemon,
 
 
 
-def make_clip(path: Path, codec: str, container: str | None = None) -> Path:
+def make_clip(path: Path, codec: str, container: str | None = None, frames: int = 50,
+              options: dict[str, str] | None = None) -> Path:
     """A 2 s clip of 350x200 at 25 fps (a moving gradient), as people film them."""
     import av
     import numpy as np
 
-    with av.open(str(path), "w", format=container) as out:
+    with av.open(str(path), "w", format=container, options=options or {}) as out:
         stream = out.add_stream(codec, rate=25)
         stream.width, stream.height, stream.pix_fmt = 350, 200, "yuv420p"
         y, x = np.mgrid[0:200, 0:350]
-        for i in range(50):
+        for i in range(frames):
             frame = np.stack([(x + 5 * i) % 256, y % 256, np.full_like(x, 9 * i % 256)], -1)
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame.astype(np.uint8),
                                                                    format="rgb24")):
@@ -535,6 +537,99 @@ def test_a_clip_in_each_container_is_sent_with_its_question(browser: Any, daemon
         expect(page.locator("#preview-file")).to_contain_text("broken.mp4")
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "web-ui-clip.png"), full_page=True)
+        assert tab.foreign_requests() == [] and tab.errors == []
+    finally:
+        tab.page.evaluate("localStorage.clear()")
+        tab.close()
+
+
+def test_a_clip_the_daemon_would_refuse_is_refused_before_it_is_sent(
+        browser: Any, daemon: HttpDaemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """#61: the page reads a clip's header (its frames' size and count, as the daemon's
+    decoder counts them, in MP4, MOV, fragmented MP4, WebM and MKV) and refuses one past
+    /v1/models' clip_limits in the daemon's own words, sending nothing; a clip within
+    them chosen and sent at once goes with its question."""
+    import av
+    from playwright.sync_api import expect
+
+    from qvld.engine.inputs import video
+    from qvld.engine.model.model_dir import VideoSpec
+    from qvld.errors import VideoInvalid
+
+    clips = [make_clip(tmp_path / "end.mp4", "libx264"),  # the index after the frames
+             make_clip(tmp_path / "start.mp4", "libx264", options={"movflags": "faststart"}),
+             make_clip(tmp_path / "camera.mov", "libx264", "mov", frames=37),
+             make_clip(tmp_path / "recorded.mp4", "libx264", frames=61, options={
+                 "movflags": "frag_keyframe+empty_moov+default_base_moof"}),
+             make_clip(tmp_path / "garden.webm", "libvpx-vp9", frames=45),
+             make_clip(tmp_path / "beach.mkv", "libx264", "matroska", frames=75)]
+    long = clips[-1]
+
+    def daemon_reads(clip: Path) -> dict[str, int]:
+        """Width, height and frames as the daemon's decoder reads them."""
+        container = av.open(str(clip))
+        stream = container.streams.video[0]
+        try:
+            return {"width": stream.width, "height": stream.height,
+                    "frames": video._frame_count(clip.read_bytes(), stream)}
+        finally:
+            container.close()
+
+    def daemon_refusal(clip: Path, frame_pixels: int, clip_pixels: int) -> str:
+        with pytest.raises(VideoInvalid) as refused:
+            video.decode_frames(clip.read_bytes(), VideoSpec(), 10_000, frame_pixels,
+                                lambda: False, lambda count, h, w: (h, w), clip_pixels)
+        return str(refused.value)
+
+    tab = Page(browser, daemon)
+    page = tab.page
+    bodies = tab.chat_bodies()
+    read = """async ([data, name]) => ClipHeader.read(new File(
+        [Uint8Array.from(atob(data), (c) => c.charCodeAt(0))], name))"""
+    refusal = "([header, limits]) => ClipHeader.refusal(header, limits)"
+    try:
+        tab.ready_with_max_tokens(3)
+        for clip in clips:
+            header = page.evaluate(read, [base64.b64encode(clip.read_bytes()).decode(),
+                                          clip.name])
+            assert header == daemon_reads(clip), clip.name
+        assert page.evaluate(read, [base64.b64encode(b"\x1aE\xdf\xa3 not a clip").decode(),
+                                    "x.webm"]) is None
+        # Each bound in the daemon's words (its decoder refusing the same clip).
+        header = daemon_reads(long)
+        wide = {"max_frame_pixels": 350 * 200 - 1, "max_decoded_pixels": 10 ** 10,
+                "max_frames": 10 ** 6}
+        assert page.evaluate(refusal, [header, wide]) == daemon_refusal(
+            long, 350 * 200 - 1, 10 ** 10)
+        monkeypatch.setattr(video, "MAX_DECODED_FRAMES", 74)
+        assert page.evaluate(refusal, [header, {**wide, "max_frame_pixels": 10 ** 6,
+                                                "max_frames": 74}]) == daemon_refusal(
+            long, 10 ** 6, 10 ** 10)
+        monkeypatch.undo()
+        # Through the page: refused from /v1/models' limits, nothing sent.
+        status, _, listed = daemon.request("GET", "/v1/models")
+        assert status == 200
+        limits = listed["data"][0]["clip_limits"]
+        words = daemon_refusal(long, limits["max_frame_pixels"], limits["max_decoded_pixels"])
+        page.set_input_files("#image", str(long))
+        expect(page.get_by_role("alert")).to_contain_text(f"beach.mkv is not sent: {words}")
+        expect(page.locator("#preview-file")).to_be_hidden()
+        status, _, api = daemon.request("POST", "/v1/chat/completions", json.dumps({
+            "max_tokens": 1, "messages": [{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": "data:video/x-matroska;base64," +
+                                                    base64.b64encode(long.read_bytes())
+                                                    .decode()}},
+                {"type": "text", "text": "?"}]}]}).encode())
+        assert status == 400 and api["error"]["message"] == words
+        # A clip within them, sent the moment it is chosen: it goes with the question.
+        page.set_input_files("#image", str(clips[0]))
+        page.fill("#question", "What happens in this clip?")
+        page.get_by_role("button", name="Send").click()
+        tab.wait_answer()
+        assert len(bodies) == 1
+        assert [part["type"] for part in bodies[0]["messages"][-1]["content"]] == \
+            ["video_url", "text"]
         assert tab.foreign_requests() == [] and tab.errors == []
     finally:
         tab.page.evaluate("localStorage.clear()")

@@ -173,7 +173,9 @@ class Engine:
                                      one_encoder_at_a_time=True,
                                      context_set_by=self.context_set_by,
                                      video_max_tokens=config.model.video_max_tokens,
-                                     video_pruning=config.model.video_pruning)
+                                     video_pruning=config.model.video_pruning,
+                                     max_clip_decode_pixels=(
+                                         config.engine.max_clip_decode_pixels))
         # Structured output: compiled on threads of its own, beside images and prefill.
         self.grammars = GrammarCompiler(path / "tokenizer.json",
                                         self.spec.vocab_size,

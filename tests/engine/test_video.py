@@ -102,7 +102,7 @@ def test_sampling_and_timestamps_follow_transformers() -> None:
 def test_other_codecs_decode(tiny_engine: Engine, codec: str, container: str) -> None:
     clip = make_clip(1.0, 8, 64, 64, codec, container)
     video = prepare_video(clip, tiny_engine.spec.vision, tiny_engine.spec.video, 2048,
-                          10 ** 8, lambda: False)
+                          10 ** 8, lambda: False, max_clip_pixels=10 ** 10)
     assert len(video.groups) == 2 and video.frames == 4
 
 
@@ -114,7 +114,7 @@ def test_a_long_clip_stays_within_the_video_budget() -> None:
     assert len(ids) < 4096 and video_tokens <= 2048
     assert len(items) >= 16  # a minute is not squeezed into a few frames
     tight = prepare_video(long, engine.spec.vision, engine.spec.video, 64, 10 ** 8,
-                          lambda: False)
+                          lambda: False, max_clip_pixels=10 ** 10)
     assert tight.tokens <= 64 and len(tight.groups) >= 2
 
 
@@ -200,12 +200,13 @@ def test_a_clip_that_would_cost_too_many_pixels_to_decode_is_refused_before_deco
     resized = video._resized
     monkeypatch.setattr(video, "_resized", lambda rgb, size: decoded.append(1)
                         or resized(rgb, size))
-    monkeypatch.setattr(video, "MAX_CLIP_DECODE_PIXELS", 99 * 256 * 192)
-    with pytest.raises(VideoInvalid, match=r"100 frames of 256x192 decoded .* shorter or "
-                                           "smaller"):
+    monkeypatch.setattr(tiny_engine.prompts, "max_clip_decode_pixels", 99 * 256 * 192)
+    with pytest.raises(VideoInvalid, match=r"100 frames of 256x192 decoded \(4,915,200 "
+                       r"pixels\); at most 4,866,048 .*engine.max_clip_decode_pixels.* "
+                       "shorter or smaller"):
         tiny_engine.generate(ask(clip, max_tokens=2))
     assert decoded == []
-    monkeypatch.setattr(video, "MAX_CLIP_DECODE_PIXELS", 100 * 256 * 192)
+    monkeypatch.setattr(tiny_engine.prompts, "max_clip_decode_pixels", 100 * 256 * 192)
     assert tiny_engine.generate(ask(clip, max_tokens=2)).usage.completion_tokens == 2
     assert decoded  # within the budget: decoded as ever
 

@@ -61,8 +61,10 @@ class PromptBuilder:
                  images: ImageCache, max_decode_pixels: int, max_context: int,
                  one_encoder_at_a_time: bool = False,
                  context_set_by: str = "engine.max_context_tokens",
-                 video_max_tokens: int = 2048, video_pruning: float = 0.0) -> None:
+                 video_max_tokens: int = 2048, video_pruning: float = 0.0,
+                 *, max_clip_decode_pixels: int) -> None:
         self.spec = spec
+        self.max_clip_decode_pixels = max_clip_decode_pixels  # engine.max_clip_decode_pixels
         self.video_max_tokens = video_max_tokens  # model.video_max_tokens
         self.video_pruning = video_pruning  # model.video_pruning
         self.context_set_by = context_set_by  # what sets max_context, for messages
@@ -121,7 +123,8 @@ class PromptBuilder:
                   self.max_decode_pixels, should_stop)
         for video in videos:
             try:
-                out.append(prepare_video(video, *limits, pruning=self.video_pruning)
+                out.append(prepare_video(video, *limits, pruning=self.video_pruning,
+                                         max_clip_pixels=self.max_clip_decode_pixels)
                            if isinstance(video, bytes) else
                            prepare_frames(video, *limits, pruning=self.video_pruning))
             except VideoStopped as exc:

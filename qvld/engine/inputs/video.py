@@ -22,7 +22,7 @@ the wheels carry them, no system FFmpeg needed). The steps follow transformers'
 Bounds: the clip's tokens (``model.video_max_tokens``: fewer frames, then smaller ones),
 the frames decoded (``MAX_DECODED_FRAMES``), each frame's pixels
 (``engine.max_decode_pixels``), all the pixels decoding it takes
-(``MAX_CLIP_DECODE_PIXELS``, from the header, before decoding), the decoder's threads
+(``engine.max_clip_decode_pixels``, from the header, before decoding), the decoder's threads
 (``DECODER_THREADS``), and time (``should_stop``: the client left or the deadline
 passed). Anything that is not a usable clip is ``video_invalid``.
 """
@@ -47,12 +47,9 @@ from qvld.errors import VideoInvalid
 
 # Frames a clip may have (decoded up to its last sampled frame): 2 hours at 60 fps.
 MAX_DECODED_FRAMES = 432_000
-# Pixels a clip may make the decoder produce: every frame up to its last sampled one
-# (a decoder cannot skip to a frame), whatever the bytes sent. 8e9 is two minutes of
-# 1080p at 30 fps (seconds of CPU); a 225 KB clip of one 7680x7680 picture and 2 999
-# skipped ones would be 177e9 (300 s of decoding, +1 GB). Checked from the header,
-# before a frame is decoded.
-MAX_CLIP_DECODE_PIXELS = 8_000_000_000
+# Pixels a clip may make the decoder produce (``engine.max_clip_decode_pixels``) are
+# every frame up to its last sampled one, whatever the bytes sent: a 225 KB clip of one
+# 7680x7680 picture and 2 999 skipped ones would be 177e9 (300 s of decoding, +1 GB).
 # Decoder threads per clip: each frame thread holds a whole frame of its own.
 DECODER_THREADS = 2
 # Each group of two frames keeps at least this many tokens (128x128 pixels): a longer
@@ -167,8 +164,8 @@ SizeFor = Callable[[int, int, int], tuple[int, int]]  # (frames, height, width) 
 
 
 def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: int,
-                  should_stop: Callable[[], bool], size_for: SizeFor
-                  ) -> tuple[list[np.ndarray], list[int], float]:
+                  should_stop: Callable[[], bool], size_for: SizeFor,
+                  max_clip_pixels: int) -> tuple[list[np.ndarray], list[int], float]:
     """The sampled frames (RGB uint8 HWC, resized as each is decoded to ``size_for``:
     only the clip's budget of pixels is ever held), their indices, and the frame rate."""
     import av
@@ -193,11 +190,13 @@ def decode_frames(data: bytes, spec: VideoSpec, most: int, max_decode_pixels: in
                                "send a shorter clip")
         indices = sample_indices(total, video_fps, spec, most)
         decoded = (int(indices[-1]) + 1) * width * height
-        if decoded > MAX_CLIP_DECODE_PIXELS:
+        if decoded > max_clip_pixels:
+            # The web page words its own check the same (web/clip.js): keep them equal.
             raise VideoInvalid(f"the video would have {int(indices[-1]) + 1} frames of "
-                               f"{width}x{height} decoded ({decoded / 1e9:.1f} billion "
-                               f"pixels); at most {MAX_CLIP_DECODE_PIXELS / 1e9:g} billion "
-                               "are decoded for one clip: send a shorter or smaller one")
+                               f"{width}x{height} decoded ({decoded:,} pixels); at most "
+                               f"{max_clip_pixels:,} are decoded for one clip "
+                               "(engine.max_clip_decode_pixels): send a shorter or "
+                               "smaller one")
         wanted: dict[int, list[int]] = {}  # frame -> where it goes (short clips repeat one)
         for n, i in enumerate(indices):
             wanted.setdefault(int(i), []).append(n)
@@ -265,7 +264,7 @@ def video_digest(data: bytes, max_tokens: int, pruning: float = 0.0) -> bytes:
 
 def prepare_video(data: bytes, vision: VisionSpec, spec: VideoSpec, max_tokens: int,
                   max_decode_pixels: int, should_stop: Callable[[], bool],
-                  pruning: float = 0.0) -> PreparedVideo:
+                  pruning: float = 0.0, *, max_clip_pixels: int) -> PreparedVideo:
     """Decode, sample, resize and patchify a clip within ``max_tokens`` tokens (less the
     share ``pruning`` drops: ``pruned_tokens``)."""
     def size_for(count: int, height: int, width: int) -> tuple[int, int]:
@@ -273,7 +272,7 @@ def prepare_video(data: bytes, vision: VisionSpec, spec: VideoSpec, max_tokens: 
 
     frames, indices, video_fps = decode_frames(
         data, spec, _most_frames(vision, max_tokens), max_decode_pixels, should_stop,
-        size_for)
+        size_for, max_clip_pixels)
     return _groups(frames, indices, video_fps, video_digest(data, max_tokens, pruning), vision,
                    spec, max_tokens, pruning)
 

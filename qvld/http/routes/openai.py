@@ -7,6 +7,7 @@ import time
 
 from aiohttp import web
 
+from qvld.engine.inputs.video import MAX_DECODED_FRAMES
 from qvld.http import completions, openai, openai_replies
 from qvld.http.routing import Front, Route, error_response, session_header
 
@@ -64,7 +65,13 @@ class OpenAIRoutes:
                  "max_completion_tokens": (state.config.engine.max_new_tokens or
                                            engine.stats()["max_context_tokens"]),
                  # The largest body taken (the page checks a picture or clip's size first).
-                 "max_request_bytes": front.config.max_body_bytes}
+                 "max_request_bytes": front.config.max_body_bytes,
+                 # What a clip may cost to decode (the page reads a clip's header and
+                 # refuses one past these before sending it).
+                 "clip_limits": {
+                     "max_frame_pixels": state.config.engine.max_decode_pixels,
+                     "max_decoded_pixels": state.config.engine.max_clip_decode_pixels,
+                     "max_frames": MAX_DECODED_FRAMES}}
         wanted = request.match_info.get("model")
         if wanted is None:
             return web.json_response({"object": "list", "data": [entry]})

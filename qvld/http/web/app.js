@@ -18,6 +18,9 @@ const state = {
   key: sessionStorage.getItem("qvld-key") || "",
   model: "qvld",
   maxBody: 0, // the largest request body the server takes (0: unknown)
+  clipLimits: null, // what a clip may cost the server to decode (/v1/models clip_limits)
+  taking: null, // a chosen file being checked (a promise)
+  chosen: null, // the latest file chosen, while its check runs
   attachment: null, // {kind, type, name, blob, url} for the next question
   controller: null, // the AbortController of the answer being streamed
   conversation: null, // the one shown (a record of Store)
@@ -228,6 +231,7 @@ async function connect() {
   if (model) {
     state.model = model.id;
     state.maxBody = model.max_request_bytes || 0;
+    state.clipLimits = model.clip_limits || null;
     const takes = (model.input_modalities || ["text", "image"]).join(", ");
     $("model").textContent = `${model.id} · context ${model.context_length} tokens` +
       (model.runtime ? ` · ${model.runtime}` : "") + ` · takes ${takes}`;
@@ -286,7 +290,19 @@ function kindOf(file) {
   return null;
 }
 
+// A clip's header is read before it is taken (a clip the server would refuse is refused
+// here, in its words); Send waits for that (state.taking), so a question sent at once
+// still goes with its clip.
 function takeAttachment(file) {
+  const taking = take(file);
+  state.taking = taking;
+  taking.finally(() => {
+    if (state.taking === taking) state.taking = null;
+  });
+  return taking;
+}
+
+async function take(file) {
   if (!file) return;
   const kind = kindOf(file);
   if (!kind) {
@@ -300,6 +316,16 @@ function takeAttachment(file) {
               `a ${NAMES[kind]} of up to about ${megabytes((state.maxBody - 64 * 1024) * 3 / 4)}.`);
     return;
   }
+  if (kind === "video" && state.clipLimits) {
+    const chosen = state.chosen = {};
+    const reason = ClipHeader.refusal(await ClipHeader.read(file), state.clipLimits);
+    if (state.chosen !== chosen) return; // another file was chosen meanwhile
+    if (reason) {
+      showError(`${file.name || "That clip"} is not sent: ${reason}.`);
+      return;
+    }
+  }
+  state.chosen = null;
   dropAttachment();
   const type = file.type || (kind === "video" ? "video/mp4" : "image/png");
   state.attachment = {kind, type, name: file.name || NAMES[kind], blob: file};
@@ -767,6 +793,7 @@ async function requestFor(conversation, turn, whole) {
 
 async function send() {
   if (state.controller) return; // one answer at a time
+  if (state.taking) await state.taking; // a clip being checked goes with this question
   const question = $("question").value.trim();
   if (!question) {
     $("question").focus();
