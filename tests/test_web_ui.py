@@ -615,6 +615,9 @@ def test_a_clip_the_daemon_would_refuse_is_refused_before_it_is_sent(
         page.set_input_files("#image", str(long))
         expect(page.get_by_role("alert")).to_contain_text(f"beach.mkv is not sent: {words}")
         expect(page.locator("#preview-file")).to_be_hidden()
+        assert page.eval_on_selector("#image", "input => input.files.length") == 0
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "web-ui-clip-refused.png"))
         status, _, api = daemon.request("POST", "/v1/chat/completions", json.dumps({
             "max_tokens": 1, "messages": [{"role": "user", "content": [
                 {"type": "video_url", "video_url": {"url": "data:video/x-matroska;base64," +

@@ -302,18 +302,25 @@ function takeAttachment(file) {
   return taking;
 }
 
+// A file not taken: said why, and no longer named by the file input (the picture or clip
+// taken before, if any, stays, in its preview).
+function refuseFile(message) {
+  showError(message);
+  $("image").value = "";
+}
+
 async function take(file) {
   if (!file) return;
   const kind = kindOf(file);
   if (!kind) {
-    showError(`${file.name || "That file"} is neither a picture nor a clip ` +
-              "(PNG, JPEG, WebP, GIF, BMP; MP4, WebM, MKV).");
+    refuseFile(`${file.name || "That file"} is neither a picture nor a clip ` +
+               "(PNG, JPEG, WebP, GIF, BMP; MP4, WebM, MKV, MOV).");
     return;
   }
   // As a data: URL the bytes grow by a third; the rest of the request is small.
   if (state.maxBody && file.size * 4 / 3 + 64 * 1024 > state.maxBody) {
-    showError(`${file.name || "That file"} is ${megabytes(file.size)}; this server takes ` +
-              `a ${NAMES[kind]} of up to about ${megabytes((state.maxBody - 64 * 1024) * 3 / 4)}.`);
+    refuseFile(`${file.name || "That file"} is ${megabytes(file.size)}; this server takes ` +
+               `a ${NAMES[kind]} of up to about ${megabytes((state.maxBody - 64 * 1024) * 3 / 4)}.`);
     return;
   }
   if (kind === "video" && state.clipLimits) {
@@ -321,7 +328,7 @@ async function take(file) {
     const reason = ClipHeader.refusal(await ClipHeader.read(file), state.clipLimits);
     if (state.chosen !== chosen) return; // another file was chosen meanwhile
     if (reason) {
-      showError(`${file.name || "That clip"} is not sent: ${reason}.`);
+      refuseFile(`${file.name || "That clip"} is not sent: ${reason}.`);
       return;
     }
   }
