@@ -1,15 +1,18 @@
 """Where ONNX Runtime's time goes: its own per-node profile, by op type.
 
     python bench/ort_profile.py ONNX_MODEL_DIR [--part decode|prefill|vision]
-        [--prompt 215] [--steps 16] [--patches 784]
+        [--prompt 215] [--context 0] [--steps 16] [--patches 784]
 
 Runs one graph alone with qvld's session options. ``decode`` (the default) and
-``prefill``: the language model on a random prompt of ``--prompt`` rows, then ``--steps``
-one-row decode steps feeding each step's presents back as the next step's pasts; the
-profile is of the decode steps or of the prompt (run twice, the second profiled: the
-first repacks weights). ``vision``: the vision blocks and merger on ``--patches`` patches
-of one image (784: a 448x448 image), run twice, the second profiled. Prints the time and
-the share of each op type.
+``prefill``: the language model on ``--context`` rows, then a random prompt chunk of
+``--prompt`` rows after them, then ``--steps`` one-row decode steps, each step's cache
+fed to the next; the profile is of the decode steps or of the chunk (run twice in the
+same place, the second profiled: the first repacks weights). Runs are plain
+``session.run`` calls: the cache goes in and comes out a copy every call, where the
+engine binds it in place (decode's GroupQueryAttention time includes those copies).
+``vision``: the vision blocks and merger on ``--patches`` patches of one image (784: a
+448x448 image), run twice, the second profiled. Prints the time and the share of each
+op type.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", type=Path)
     parser.add_argument("--prompt", type=int, default=215)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--context", type=int, default=0)
     parser.add_argument("--part", choices=["decode", "prefill", "vision"], default="decode")
     parser.add_argument("--patches", type=int, default=784)
     args = parser.parse_args(argv)
@@ -45,40 +49,47 @@ def main(argv: list[str] | None = None) -> int:
         return profile_vision(args.model, options, args.patches)
     session = ort.InferenceSession(str(args.model / "onnx_language_model.onnx"), options,
                                    providers=["CPUExecutionProvider"])
-    pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
-    hidden = session.get_inputs()[0].shape[2]
-    deepstack = session.get_inputs()[4].shape[0]
-    cache = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in pasts}
+    inputs = {i.name: i for i in session.get_inputs()}
+    pasts = [name for name in inputs if name.startswith("past_key_values.")]
+    hidden = inputs["inputs_embeds"].shape[2]
+    # The cache as the step loop holds it: one buffer per layer, written in place by
+    # GroupQueryAttention (rows [0, seqlens_k + 1) are the sequence's).
+    capacity = args.context + args.prompt + args.steps
+    cache = {name: np.zeros((1, inputs[name].shape[1], capacity, inputs[name].shape[3]),
+                            np.float32) for name in pasts}
     rng = np.random.default_rng(0)
     names = [o.name for o in session.get_outputs()]
 
     def run(rows: int, start: int) -> None:
         feeds = {"inputs_embeds": (rng.random((1, rows, hidden)) * 0.1).astype(np.float32),
-                 "attention_mask": np.ones((1, start + rows), np.int64),
                  "position_ids": np.tile(np.arange(start, start + rows), (3, 1, 1)),
                  "visual_pos_masks": np.zeros((1, rows), bool),
-                 "deepstack_visual_embeds": np.zeros((deepstack, 1, hidden), np.float32),
+                 "deepstack_visual_embeds": np.zeros((3, 1, hidden), np.float32),
+                 "seqlens_k": np.array([start + rows - 1], np.int32),
+                 "total_sequence_length": np.array(start + rows, np.int32),
                  **cache}
         out = session.run(None, feeds)
         cache.update({n.replace("present.", "past_key_values."): v
                       for n, v in zip(names[1:], out[1:], strict=True)})
 
+    if args.context:
+        run(args.context, 0)  # the rows before the chunk (not profiled)
     if args.part == "prefill":
-        saved = dict(cache)
-        run(args.prompt, 0)
-        cache.update(saved)
+        run(args.prompt, args.context)  # weights repacked (not profiled)
         t0 = time.perf_counter()
-        run(args.prompt, 0)
-        print(f"prefill: {(time.perf_counter() - t0) * 1000:.0f} ms for {args.prompt} rows")
-        print_ops(session, skip_runs=1, runs=1)
+        run(args.prompt, args.context)  # the same rows again, in the same place
+        print(f"prefill: {(time.perf_counter() - t0) * 1000:.0f} ms for {args.prompt} rows "
+              f"after {args.context}")
+        print_ops(session, skip_runs=2 if args.context else 1, runs=1)
         return 0
-    run(args.prompt, 0)
+    run(args.prompt, args.context)
     t0 = time.perf_counter()
     for step in range(args.steps):
-        run(1, args.prompt + step)
+        run(1, args.context + args.prompt + step)
+    start = args.context + args.prompt
     print(f"decode: {(time.perf_counter() - t0) / args.steps * 1000:.1f} ms/step at "
-          f"{args.prompt}-{args.prompt + args.steps} tokens of context")
-    print_ops(session, skip_runs=1, runs=args.steps)
+          f"{start}-{start + args.steps} tokens of context")
+    print_ops(session, skip_runs=2 if args.context else 1, runs=args.steps)
     return 0
 
 
