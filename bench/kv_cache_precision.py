@@ -1,10 +1,11 @@
 """What a decode step's attention costs ONNX Runtime with the KV cache in f32, f16 or
 int8 (GroupQueryAttention's quantised cache: per-channel scales), at Qwen3-VL-2B's shapes.
 
-    python bench/kv_cache_precision.py [--contexts 200,1024,2062] [--rounds 5]
+    python bench/kv_cache_precision.py [--contexts 200,1024,2062] [--rows 1] [--rounds 5]
                                        [--kinds f32,f16,int8] [--threads N]
 
-One decoder layer's attention for one new row (16 heads over 8 KV heads of 128), run
+One decoder layer's attention for ``--rows`` new rows (1: a decode step; 512: a prompt
+chunk) at the end of ``context`` (16 heads over 8 KV heads of 128), run
 28 times, over a cache of ``context`` rows bound as both past and present (written in
 place, as the language model's graph runs it). The cache holds random rows whose
 channels differ in size (as real keys' do); int8 stores ``round(x / scale)`` with one
@@ -33,12 +34,12 @@ F32 = TensorProto.FLOAT
 CACHE_TYPES = {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16, "int8": TensorProto.INT8}
 
 
-def graph(kind: str, capacity: int) -> onnx.ModelProto:
+def graph(kind: str, capacity: int, rows: int) -> onnx.ModelProto:
     """GroupQueryAttention over a [1, kv, capacity, hd] cache of ``kind``, in place."""
     cache = CACHE_TYPES[kind]
-    inputs = [helper.make_tensor_value_info("q", F32, [1, 1, HEADS * HEAD_DIM]),
-              helper.make_tensor_value_info("k", F32, [1, 1, KV_HEADS * HEAD_DIM]),
-              helper.make_tensor_value_info("v", F32, [1, 1, KV_HEADS * HEAD_DIM]),
+    inputs = [helper.make_tensor_value_info("q", F32, [1, rows, HEADS * HEAD_DIM]),
+              helper.make_tensor_value_info("k", F32, [1, rows, KV_HEADS * HEAD_DIM]),
+              helper.make_tensor_value_info("v", F32, [1, rows, KV_HEADS * HEAD_DIM]),
               helper.make_tensor_value_info("past_k", cache, [1, KV_HEADS, capacity, HEAD_DIM]),
               helper.make_tensor_value_info("past_v", cache, [1, KV_HEADS, capacity, HEAD_DIM]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
@@ -53,7 +54,7 @@ def graph(kind: str, capacity: int) -> onnx.ModelProto:
         names += ["", "", "", "", "", "k_scale", "v_scale"]
         attributes = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL",
                       "kv_cache_bit_width": 8}
-    outputs = [helper.make_tensor_value_info("out", F32, [1, 1, HEADS * HEAD_DIM]),
+    outputs = [helper.make_tensor_value_info("out", F32, [1, rows, HEADS * HEAD_DIM]),
                helper.make_tensor_value_info("present_k", cache,
                                              [1, KV_HEADS, capacity, HEAD_DIM]),
                helper.make_tensor_value_info("present_v", cache,
@@ -76,14 +77,18 @@ class Layer:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(
-            graph(kind, cache_k.shape[2]).SerializeToString(), options,
+            graph(kind, cache_k.shape[2], new["q"].shape[1]).SerializeToString(), options,
             providers=["CPUExecutionProvider"])
         feeds = dict(new, seqlens_k=np.array([context - 1], np.int32),
                      total=np.array(context, np.int32))
         if kind == "int8":
             scales = {}
+            rows = new["k"].shape[1]
             for name, cache in (("k", cache_k), ("v", cache_v)):
-                top = np.abs(cache[:, :, :context]).max(axis=2, keepdims=True)
+                # The rows before and the new ones (quantised as the op writes them).
+                fresh = new[name].reshape(1, rows, KV_HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
+                top = np.maximum(np.abs(cache[:, :, :context - rows]).max(
+                    axis=2, keepdims=True, initial=0), np.abs(fresh).max(axis=2, keepdims=True))
                 scales[name] = np.maximum(top, 1e-6).astype(np.float32) / 127
                 feeds[f"{name}_scale"] = scales[name]
             cache_k = np.clip(np.round(cache_k / scales["k"]), -127, 127).astype(np.int8)
@@ -109,13 +114,15 @@ class Layer:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="200,1024,2062")
+    parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kinds", default="f32,f16,int8")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     kinds = args.kinds.split(",")
     rng = np.random.default_rng(0)
-    print(f"one new row, {LAYERS} layers of {HEADS} heads ({KV_HEADS} KV of {HEAD_DIM}), "
+    rows = args.rows
+    print(f"{rows} new rows, {LAYERS} layers of {HEADS} heads ({KV_HEADS} KV of {HEAD_DIM}), "
           f"{args.threads} threads; seconds for all layers, median of {args.rounds}")
     print(f"{'context':>8} {'kind':>5} {'ms':>8} {'/ f32':>7} {'max |diff| / max |out|':>23}")
     for context in (int(c) for c in args.contexts.split(",")):
@@ -125,12 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         cache_k = (rng.standard_normal((1, KV_HEADS, capacity, HEAD_DIM)) * spread
                    ).astype(np.float32)
         cache_v = rng.standard_normal((1, KV_HEADS, capacity, HEAD_DIM)).astype(np.float32)
-        cache_k[:, :, context:] = cache_v[:, :, context:] = 0
-        # The new row at position context - 1 (written into the cache by the op).
-        new = {"q": rng.standard_normal((1, 1, HEADS * HEAD_DIM)).astype(np.float32),
-               "k": (rng.standard_normal((1, 1, KV_HEADS, HEAD_DIM)) * spread[0, :, 0]
-                     ).reshape(1, 1, -1).astype(np.float32),
-               "v": rng.standard_normal((1, 1, KV_HEADS * HEAD_DIM)).astype(np.float32)}
+        cache_k[:, :, context - rows:] = cache_v[:, :, context - rows:] = 0
+        # The new rows end at position context - 1 (written into the cache by the op).
+        new = {"q": rng.standard_normal((1, rows, HEADS * HEAD_DIM)).astype(np.float32),
+               "k": (rng.standard_normal((1, rows, KV_HEADS, HEAD_DIM)) * spread[0, :, 0]
+                     ).reshape(1, rows, -1).astype(np.float32),
+               "v": rng.standard_normal((1, rows, KV_HEADS * HEAD_DIM)).astype(np.float32)}
         layers = {kind: Layer(kind, cache_k, cache_v, context, args.threads, new)
                   for kind in kinds}
         outputs = {kind: layer.run() for kind, layer in layers.items()}
