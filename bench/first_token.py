@@ -170,17 +170,22 @@ def timed(stages: Stages, owner: Any, method: str, name: str | Callable[..., str
 
 
 def instrument(stages: Stages) -> None:
-    from qvld.engine.model import onnxruntime, openvino, prompts
+    from qvld.engine.inputs import prompt_builder
+    from qvld.engine.model import onnxruntime, openvino, slot_paged
 
-    timed(stages, prompts, "prepare", "image decode + resize + patchify")
+    # The prompt builder's own names for them (imported there by name).
+    timed(stages, prompt_builder, "prepare", "image decode + resize + patchify")
+    timed(stages, prompt_builder, "prepare_video", "clip decode + sample + resize + patchify")
     step_name = lambda self, embeds, *a, **k: f"step ({embeds.shape[0]} rows)"  # noqa: E731
     for cls in (openvino.Slot, onnxruntime.Slot):
         timed(stages, cls, "embed", "text embedding")
         timed(stages, cls, "step", step_name)
+    timed(stages, onnxruntime.Slot, "step_batch", "decode step (the lane)")
     timed(stages, onnxruntime.Slot, "load_rows", "KV rows: shared prefix to ONNX Runtime")
     timed(stages, onnxruntime.Slot, "rows_from", "KV rows: read out of ONNX Runtime")
-    timed(stages, openvino.PagedLanguage, "write_rows", "KV rows: into OpenVINO's blocks")
-    timed(stages, openvino.PagedLanguage, "read_rows", "KV rows: shared prefix read")
+    for paged in (openvino.PagedLanguage, slot_paged.SlotPaged):
+        timed(stages, paged, "write_rows", "KV rows: into the blocks")
+        timed(stages, paged, "read_rows", "KV rows: shared prefix read")
     timed(stages, onnxruntime.Slot, "reset", "ONNX Runtime slot reset")
     # The batch runner embeds the decoding sequences' new tokens (not the prompt's).
     timed(stages, openvino.PagedLanguage, "embed", "decode-token embedding")
@@ -476,8 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes.split(",")
     loads = [int(n) for n in args.load.split(",")]
     workers: dict[str, Worker] = {}
-    if (args.bench_dir / "qwen3-vl-2b-onnx-int8").exists():
-        both_formats(args.bench_dir)
+    if all((args.bench_dir / name).exists()
+           for name in ("qwen3-vl-2b-int8", "qwen3-vl-2b-onnx-int8")):
+        both_formats(args.bench_dir)  # else the rows that need it are skipped
     models = dict(item.split("=", 1) for item in args.model)
     for system in systems:
         kind = system.split("@")[0]  # qvld-ort@before: qvld-ort on --model's directory

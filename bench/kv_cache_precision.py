@@ -108,7 +108,8 @@ class Layer:
 
     def run(self) -> np.ndarray:
         self.session.run_with_iobinding(self.binding)
-        return np.asarray(self.binding.copy_outputs_to_cpu()[0])
+        # The output alone (copy_outputs_to_cpu would copy the whole cache too).
+        return np.asarray(self.binding.get_outputs()[0].numpy())
 
 
 def main(argv: list[str] | None = None) -> int:
