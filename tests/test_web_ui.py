@@ -625,12 +625,26 @@ def test_a_clip_the_daemon_would_refuse_is_refused_before_it_is_sent(
                                                     .decode()}},
                 {"type": "text", "text": "?"}]}]}).encode())
         assert status == 400 and api["error"]["message"] == words
+        # Chosen and sent in one go (Send pressed while the header is read): the refusal
+        # keeps the question in the box, and nothing is sent without the clip.
+        page.evaluate("""([data, name, question]) => {
+          const transfer = new DataTransfer();
+          transfer.items.add(new File([Uint8Array.from(atob(data), (c) => c.charCodeAt(0))],
+                                      name, {type: "video/x-matroska"}));
+          const input = document.getElementById("image");
+          input.files = transfer.files;
+          input.dispatchEvent(new Event("change"));
+          document.getElementById("question").value = question;
+          document.getElementById("send").click();
+        }""", [base64.b64encode(long.read_bytes()).decode(), "at-once.mkv", "At once?"])
+        expect(page.get_by_role("alert")).to_contain_text(f"at-once.mkv is not sent: {words}")
+        expect(page.locator("#question")).to_have_value("At once?")
         # A clip within them, sent the moment it is chosen: it goes with the question.
         page.set_input_files("#image", str(clips[0]))
         page.fill("#question", "What happens in this clip?")
         page.get_by_role("button", name="Send").click()
         tab.wait_answer()
-        assert len(bodies) == 1
+        assert len(bodies) == 1  # the refused ones sent nothing
         assert [part["type"] for part in bodies[0]["messages"][-1]["content"]] == \
             ["video_url", "text"]
         assert tab.foreign_requests() == [] and tab.errors == []

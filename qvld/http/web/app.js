@@ -309,27 +309,28 @@ function refuseFile(message) {
   $("image").value = "";
 }
 
+// True when the file was refused (said why).
 async function take(file) {
-  if (!file) return;
+  if (!file) return false;
   const kind = kindOf(file);
   if (!kind) {
     refuseFile(`${file.name || "That file"} is neither a picture nor a clip ` +
                "(PNG, JPEG, WebP, GIF, BMP; MP4, WebM, MKV, MOV).");
-    return;
+    return true;
   }
   // As a data: URL the bytes grow by a third; the rest of the request is small.
   if (state.maxBody && file.size * 4 / 3 + 64 * 1024 > state.maxBody) {
     refuseFile(`${file.name || "That file"} is ${megabytes(file.size)}; this server takes ` +
                `a ${NAMES[kind]} of up to about ${megabytes((state.maxBody - 64 * 1024) * 3 / 4)}.`);
-    return;
+    return true;
   }
   if (kind === "video" && state.clipLimits) {
     const chosen = state.chosen = {};
     const reason = ClipHeader.refusal(await ClipHeader.read(file), state.clipLimits);
-    if (state.chosen !== chosen) return; // another file was chosen meanwhile
+    if (state.chosen !== chosen) return false; // another file was chosen meanwhile
     if (reason) {
       refuseFile(`${file.name || "That clip"} is not sent: ${reason}.`);
-      return;
+      return true;
     }
   }
   state.chosen = null;
@@ -338,6 +339,7 @@ async function take(file) {
   state.attachment = {kind, type, name: file.name || NAMES[kind], blob: file};
   showAttachment();
   hideError();
+  return false;
 }
 
 function showAttachment() {
@@ -800,7 +802,8 @@ async function requestFor(conversation, turn, whole) {
 
 async function send() {
   if (state.controller) return; // one answer at a time
-  if (state.taking) await state.taking; // a clip being checked goes with this question
+  // A clip being checked goes with this question; one refused keeps it in the box.
+  if (state.taking && await state.taking) return;
   const question = $("question").value.trim();
   if (!question) {
     $("question").focus();
