@@ -20,7 +20,7 @@ const state = {
   maxBody: 0, // the largest request body the server takes (0: unknown)
   clipLimits: null, // what a clip may cost the server to decode (/v1/models clip_limits)
   taking: null, // a chosen file being checked (a promise)
-  chosen: null, // the latest file chosen, while its check runs
+  picks: 0, // files chosen so far: a check that ends after a later choice is dropped
   attachment: null, // {kind, type, name, blob, url} for the next question
   controller: null, // the AbortController of the answer being streamed
   conversation: null, // the one shown (a record of Store)
@@ -294,7 +294,8 @@ function kindOf(file) {
 // here, in its words); Send waits for that (state.taking), so a question sent at once
 // still goes with its clip.
 function takeAttachment(file) {
-  const taking = take(file);
+  state.picks += 1;
+  const taking = take(file, state.picks);
   state.taking = taking;
   taking.finally(() => {
     if (state.taking === taking) state.taking = null;
@@ -310,7 +311,7 @@ function refuseFile(message) {
 }
 
 // True when the file was refused (said why).
-async function take(file) {
+async function take(file, pick) {
   if (!file) return false;
   const kind = kindOf(file);
   if (!kind) {
@@ -325,15 +326,13 @@ async function take(file) {
     return true;
   }
   if (kind === "video" && state.clipLimits) {
-    const chosen = state.chosen = {};
     const reason = ClipHeader.refusal(await ClipHeader.read(file), state.clipLimits);
-    if (state.chosen !== chosen) return false; // another file was chosen meanwhile
+    if (pick !== state.picks) return false; // another file was chosen meanwhile
     if (reason) {
       refuseFile(`${file.name || "That clip"} is not sent: ${reason}.`);
       return true;
     }
   }
-  state.chosen = null;
   dropAttachment();
   const type = file.type || (kind === "video" ? "video/mp4" : "image/png");
   state.attachment = {kind, type, name: file.name || NAMES[kind], blob: file};
